@@ -1,0 +1,184 @@
+//! Liveness of remote engines and the memory of recently ended requests, shared by both sides.
+
+use crate::types::{IdMap, Nanos, PeerId, RequestId};
+use std::collections::{BTreeMap, BTreeSet, VecDeque};
+
+/// What one side knows about one remote engine.
+#[derive(Debug)]
+pub(crate) struct Peer {
+    pub(crate) last_heard: Nanos,
+    pub(crate) incarnation: Option<u64>,
+    pub(crate) up: bool,
+    /// Live requests that fail if this peer dies (ordered for deterministic failure order).
+    pub(crate) reqs: BTreeSet<RequestId>,
+}
+
+/// Outcome of hearing from a peer.
+pub(crate) enum Heard {
+    /// Nothing special.
+    Alive,
+    /// The peer restarted: its old requests are lost.
+    Restarted(Vec<RequestId>),
+}
+
+#[derive(Debug, Default)]
+pub(crate) struct Peers {
+    pub(crate) map: BTreeMap<PeerId, Peer>,
+    pub(crate) hb_seq: u64,
+}
+
+impl Peers {
+    /// Registers `peer` if new; returns true when it was new.
+    pub(crate) fn ensure(&mut self, peer: PeerId, now: Nanos) -> bool {
+        if self.map.contains_key(&peer) {
+            return false;
+        }
+        self.map.insert(
+            peer,
+            Peer {
+                last_heard: now,
+                incarnation: None,
+                up: true,
+                reqs: BTreeSet::new(),
+            },
+        );
+        true
+    }
+
+    pub(crate) fn is_up(&self, peer: PeerId) -> bool {
+        self.map.get(&peer).is_some_and(|p| p.up)
+    }
+
+    pub(crate) fn attach(&mut self, peer: PeerId, req: RequestId) {
+        if let Some(p) = self.map.get_mut(&peer) {
+            p.reqs.insert(req);
+        }
+    }
+
+    pub(crate) fn detach(&mut self, peer: PeerId, req: RequestId) {
+        if let Some(p) = self.map.get_mut(&peer) {
+            p.reqs.remove(&req);
+        }
+    }
+
+    /// Records traffic from `peer`; `incarnation` when the traffic was a heartbeat.
+    pub(crate) fn heard(&mut self, peer: PeerId, incarnation: Option<u64>, now: Nanos) -> Heard {
+        self.ensure(peer, now);
+        let Some(p) = self.map.get_mut(&peer) else {
+            return Heard::Alive;
+        };
+        p.last_heard = now;
+        p.up = true;
+        if let Some(inc) = incarnation {
+            match p.incarnation {
+                Some(old) if old != inc => {
+                    p.incarnation = Some(inc);
+                    return Heard::Restarted(std::mem::take(&mut p.reqs).into_iter().collect());
+                }
+                _ => p.incarnation = Some(inc),
+            }
+        }
+        Heard::Alive
+    }
+
+    /// Marks `peer` down; returns its live requests (to fail), or `None` if it was already down.
+    pub(crate) fn down(&mut self, peer: PeerId) -> Option<Vec<RequestId>> {
+        let p = self.map.get_mut(&peer)?;
+        if !p.up {
+            return None;
+        }
+        p.up = false;
+        Some(std::mem::take(&mut p.reqs).into_iter().collect())
+    }
+
+    /// Peers silent for `timeout` or longer that are still marked up.
+    pub(crate) fn silent(&self, now: Nanos, timeout: Nanos) -> Vec<PeerId> {
+        self.map
+            .iter()
+            .filter(|(_, p)| p.up && now.saturating_sub(p.last_heard) >= timeout)
+            .map(|(id, _)| *id)
+            .collect()
+    }
+}
+
+/// Recently ended requests, so that late or duplicate messages are recognised and ignored
+/// instead of resurrecting them. Expiry is FIFO (constant TTL), O(1) amortised. Each entry says
+/// whether the request was given up before it started on this side (the peer aborted it, or it
+/// stayed an orphan and the peer was told to abort): a late local start of it then fails at
+/// once rather than being refused.
+#[derive(Debug, Default)]
+pub(crate) struct Tombstones {
+    set: IdMap<RequestId, bool>,
+    fifo: VecDeque<(Nanos, RequestId)>,
+}
+
+impl Tombstones {
+    /// Remembers `req` until `expires`; `peer_aborted`: the peer gave it up before we had it.
+    pub(crate) fn bury(&mut self, req: RequestId, expires: Nanos, peer_aborted: bool) {
+        if self.set.insert(req, peer_aborted).is_none() {
+            self.fifo.push_back((expires, req));
+        }
+    }
+
+    pub(crate) fn contains(&self, req: RequestId) -> bool {
+        self.set.contains_key(&req)
+    }
+
+    /// Whether `req` is remembered as aborted by the peer before it started here.
+    pub(crate) fn peer_aborted(&self, req: RequestId) -> bool {
+        self.set.get(&req).copied().unwrap_or(false)
+    }
+
+    pub(crate) fn expire(&mut self, now: Nanos) {
+        while let Some(&(at, req)) = self.fifo.front() {
+            if at > now {
+                break;
+            }
+            self.fifo.pop_front();
+            self.set.remove(&req);
+        }
+    }
+
+    pub(crate) fn len(&self) -> usize {
+        self.set.len()
+    }
+}
+
+/// A fixed-size set of layer indices.
+#[derive(Clone, Debug, Default)]
+pub(crate) struct LayerSet {
+    words: Vec<u64>,
+    count: u16,
+}
+
+impl LayerSet {
+    pub(crate) fn new(layers: u16) -> Self {
+        LayerSet {
+            words: vec![0; usize::from(layers).div_ceil(64)],
+            count: 0,
+        }
+    }
+
+    /// Inserts `layer`; returns true when it was not there. Out-of-range layers are refused
+    /// (false) — callers check the range first.
+    pub(crate) fn insert(&mut self, layer: u16) -> bool {
+        let (w, b) = (usize::from(layer) / 64, layer % 64);
+        match self.words.get_mut(w) {
+            Some(word) if *word & (1 << b) == 0 => {
+                *word |= 1 << b;
+                self.count += 1;
+                true
+            }
+            _ => false,
+        }
+    }
+
+    pub(crate) fn contains(&self, layer: u16) -> bool {
+        let (w, b) = (usize::from(layer) / 64, layer % 64);
+        self.words.get(w).is_some_and(|word| word & (1 << b) != 0)
+    }
+
+    pub(crate) fn count(&self) -> u16 {
+        self.count
+    }
+}
