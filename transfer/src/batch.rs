@@ -1,0 +1,391 @@
+//! Batches: one completion per batch, waitable (deadline), pollable (O(1)) and awaitable.
+
+use std::collections::{BinaryHeap, HashMap};
+use std::future::Future;
+use std::pin::Pin;
+use std::sync::atomic::{AtomicBool, AtomicU32, Ordering};
+use std::sync::{Arc, Weak};
+use std::task::{Context, Poll, Waker};
+use std::time::{Duration, Instant};
+
+use parking_lot::{Condvar, Mutex};
+
+use crate::config::TransportKind;
+use crate::error::Error;
+use crate::region::RegionEntry;
+
+/// What a completed batch did.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct BatchStats {
+    /// Payload bytes.
+    pub bytes: u64,
+    /// Ops submitted.
+    pub ops: usize,
+    /// Transfers after coalescing.
+    pub writes: usize,
+    /// Wire slices (TCP frames with payload; shm copies).
+    pub slices: usize,
+    /// Transport that carried the batch.
+    pub transport: TransportKind,
+}
+
+/// Where a read slice lands locally.
+pub(crate) struct ReadSlice {
+    pub local: Arc<RegionEntry>,
+    pub offset: u64,
+    pub len: u32,
+}
+
+/// The shared state of one batch.
+pub(crate) struct BatchState {
+    pub id: u64,
+    remaining: AtomicU32,
+    done: AtomicBool,
+    result: Mutex<Option<Result<BatchStats, Error>>>,
+    cv: Condvar,
+    waker: Mutex<Option<Waker>>,
+    timer_armed: AtomicBool,
+    pub stats: BatchStats,
+    pub deadline: Instant,
+    /// Read slices by index (TCP reads).
+    pub reads: Vec<ReadSlice>,
+    /// The peer's in-flight map, to remove ourselves when finished.
+    pending: Mutex<Option<Weak<Pending>>>,
+    timer: Weak<Timer>,
+}
+
+impl BatchState {
+    pub fn new(
+        id: u64,
+        parts: u32,
+        stats: BatchStats,
+        deadline: Instant,
+        reads: Vec<ReadSlice>,
+        timer: &Arc<Timer>,
+    ) -> Arc<Self> {
+        Arc::new(BatchState {
+            id,
+            remaining: AtomicU32::new(parts),
+            done: AtomicBool::new(false),
+            result: Mutex::new(None),
+            cv: Condvar::new(),
+            waker: Mutex::new(None),
+            timer_armed: AtomicBool::new(false),
+            stats,
+            deadline,
+            reads,
+            pending: Mutex::new(None),
+            timer: Arc::downgrade(timer),
+        })
+    }
+
+    pub fn is_done(&self) -> bool {
+        self.done.load(Ordering::Acquire)
+    }
+
+    /// One part (slice ack, read slice, notification ack) finished.
+    pub fn part_done(&self) {
+        let prev = self.remaining.fetch_sub(1, Ordering::AcqRel);
+        if prev == 1 {
+            self.finish(Ok(self.stats));
+        }
+    }
+
+    /// `n` parts finished at once (merged acks).
+    pub fn parts_done(&self, n: u32) {
+        let prev = self.remaining.fetch_sub(n, Ordering::AcqRel);
+        if prev <= n {
+            // `prev < n` only if a peer acked more than was sent: done either way.
+            self.finish(Ok(self.stats));
+        }
+    }
+
+    /// Completes a batch that has no parts at all.
+    pub fn complete_now(&self) {
+        self.finish(Ok(self.stats));
+    }
+
+    /// Fails the batch (no-op if already finished).
+    pub fn fail(&self, e: Error) {
+        self.finish(Err(e));
+    }
+
+    fn finish(&self, r: Result<BatchStats, Error>) {
+        {
+            let mut g = self.result.lock();
+            if g.is_some() {
+                return;
+            }
+            *g = Some(r);
+            self.done.store(true, Ordering::Release);
+        }
+        self.cv.notify_all();
+        if let Some(w) = self.waker.lock().take() {
+            w.wake();
+        }
+        if let Some(p) = self.pending.lock().take().and_then(|w| w.upgrade()) {
+            p.remove(self.id);
+        }
+    }
+
+    fn take_result(&self) -> Option<Result<BatchStats, Error>> {
+        if !self.is_done() {
+            return None;
+        }
+        let g = self.result.lock();
+        g.as_ref().map(|r| match r {
+            Ok(s) => Ok(*s),
+            Err(e) => Err(e.duplicate()),
+        })
+    }
+
+    fn check_deadline(&self) {
+        if !self.is_done() && Instant::now() >= self.deadline {
+            self.fail(Error::Timeout);
+        }
+    }
+}
+
+/// A peer's in-flight batches (by id), failed together when the peer dies.
+#[derive(Default)]
+pub(crate) struct Pending {
+    map: Mutex<HashMap<u64, Arc<BatchState>>>,
+    closed: Mutex<Option<String>>,
+}
+
+impl Pending {
+    /// Registers a batch; fails it at once when the peer is already gone.
+    pub fn insert(self: &Arc<Self>, b: &Arc<BatchState>) -> Result<(), Error> {
+        let closed = self.closed.lock();
+        if let Some(reason) = closed.as_ref() {
+            return Err(Error::PeerDead(reason.clone()));
+        }
+        *b.pending.lock() = Some(Arc::downgrade(self));
+        self.map.lock().insert(b.id, b.clone());
+        Ok(())
+    }
+    pub fn get(&self, id: u64) -> Option<Arc<BatchState>> {
+        self.map.lock().get(&id).cloned()
+    }
+    fn remove(&self, id: u64) {
+        self.map.lock().remove(&id);
+    }
+    /// Fails every in-flight batch and refuses new ones.
+    pub fn close(&self, reason: &str, shutdown: bool) {
+        {
+            let mut c = self.closed.lock();
+            if c.is_none() {
+                *c = Some(reason.to_string());
+            }
+        }
+        let all: Vec<_> = self.map.lock().drain().map(|(_, b)| b).collect();
+        for b in all {
+            b.fail(if shutdown {
+                Error::Shutdown
+            } else {
+                Error::PeerDead(reason.to_string())
+            });
+        }
+    }
+    pub fn closed_reason(&self) -> Option<String> {
+        self.closed.lock().clone()
+    }
+}
+
+/// Completion handle of a batch.
+pub struct Batch {
+    pub(crate) state: Arc<BatchState>,
+}
+
+impl std::fmt::Debug for Batch {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Batch")
+            .field("id", &self.state.id)
+            .field("done", &self.state.is_done())
+            .finish()
+    }
+}
+
+impl Batch {
+    /// Blocks until the batch completes or its deadline passes (`Error::Timeout`).
+    ///
+    /// Before parking, the caller checks the completion flag for a short bounded time
+    /// (`KVWIRE_WAIT_SPIN_US`, default 30 µs): a small write completes within about one round
+    /// trip, and waking a parked thread costs about as much again. Set it to 0 to never spin.
+    pub fn wait(&self) -> Result<BatchStats, Error> {
+        let s = &self.state;
+        spin_until_done(s);
+        let mut g = s.result.lock();
+        while g.is_none() {
+            if s.cv.wait_until(&mut g, s.deadline).timed_out() && g.is_none() {
+                drop(g);
+                s.fail(Error::Timeout);
+                g = s.result.lock();
+            }
+        }
+        drop(g);
+        s.take_result().unwrap_or(Err(Error::Timeout))
+    }
+
+    /// Waits at most `d`; `None` means still running.
+    pub fn wait_timeout(&self, d: Duration) -> Option<Result<BatchStats, Error>> {
+        let s = &self.state;
+        let until = (Instant::now() + d).min(s.deadline);
+        let mut g = s.result.lock();
+        while g.is_none() {
+            if s.cv.wait_until(&mut g, until).timed_out() {
+                break;
+            }
+        }
+        drop(g);
+        s.check_deadline();
+        s.take_result()
+    }
+
+    /// O(1), non-blocking: the result if finished (a passed deadline finishes it with `Timeout`).
+    pub fn poll(&self) -> Option<Result<BatchStats, Error>> {
+        self.state.check_deadline();
+        self.state.take_result()
+    }
+
+    /// The batch's deadline.
+    pub fn deadline(&self) -> Instant {
+        self.state.deadline
+    }
+}
+
+impl Future for Batch {
+    type Output = Result<BatchStats, Error>;
+    fn poll(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Self::Output> {
+        let s = &self.state;
+        if let Some(r) = Batch::poll(&self) {
+            return Poll::Ready(r);
+        }
+        {
+            let mut w = s.waker.lock();
+            match w.as_ref() {
+                Some(old) if old.will_wake(cx.waker()) => {}
+                _ => *w = Some(cx.waker().clone()),
+            }
+        }
+        if !s.timer_armed.swap(true, Ordering::AcqRel) {
+            if let Some(t) = s.timer.upgrade() {
+                t.arm(s);
+            }
+        }
+        // Re-check after publishing the waker (completion may have raced with us).
+        match Batch::poll(&self) {
+            Some(r) => Poll::Ready(r),
+            None => Poll::Pending,
+        }
+    }
+}
+
+fn spin_budget() -> Duration {
+    static US: std::sync::OnceLock<u64> = std::sync::OnceLock::new();
+    let us = *US.get_or_init(|| {
+        std::env::var("KVWIRE_WAIT_SPIN_US")
+            .ok()
+            .and_then(|v| v.parse().ok())
+            .unwrap_or(30)
+    });
+    Duration::from_micros(us.min(1000))
+}
+
+fn spin_until_done(s: &BatchState) {
+    let budget = spin_budget();
+    if budget.is_zero() || s.is_done() {
+        return;
+    }
+    let start = Instant::now();
+    let mut n = 0u32;
+    while !s.is_done() {
+        std::hint::spin_loop();
+        n = n.wrapping_add(1);
+        if n % 64 == 0 && start.elapsed() >= budget {
+            return;
+        }
+    }
+}
+
+// ---------------------------------------------------------------- deadline timer
+
+struct TimerEntry {
+    at: Instant,
+    batch: Weak<BatchState>,
+}
+impl PartialEq for TimerEntry {
+    fn eq(&self, o: &Self) -> bool {
+        self.at == o.at
+    }
+}
+impl Eq for TimerEntry {}
+impl PartialOrd for TimerEntry {
+    fn partial_cmp(&self, o: &Self) -> Option<std::cmp::Ordering> {
+        Some(self.cmp(o))
+    }
+}
+impl Ord for TimerEntry {
+    fn cmp(&self, o: &Self) -> std::cmp::Ordering {
+        o.at.cmp(&self.at) // min-heap
+    }
+}
+
+/// Fails awaited batches at their deadline, so a future never hangs on a dead or slow peer.
+/// Only batches that were polled as futures and not finished are armed; `wait`/`poll` check the
+/// deadline themselves.
+#[derive(Default)]
+pub(crate) struct Timer {
+    heap: Mutex<(BinaryHeap<TimerEntry>, bool)>,
+    cv: Condvar,
+}
+
+impl Timer {
+    pub fn start(self: &Arc<Self>) -> std::io::Result<()> {
+        let t = self.clone();
+        std::thread::Builder::new()
+            .name("kvwire-timer".into())
+            .spawn(move || t.run())?;
+        Ok(())
+    }
+
+    fn arm(&self, b: &Arc<BatchState>) {
+        let mut g = self.heap.lock();
+        let earliest = g.0.peek().map(|e| e.at);
+        g.0.push(TimerEntry {
+            at: b.deadline,
+            batch: Arc::downgrade(b),
+        });
+        if earliest.is_none_or(|e| b.deadline < e) {
+            self.cv.notify_one();
+        }
+    }
+
+    pub fn stop(&self) {
+        self.heap.lock().1 = true;
+        self.cv.notify_all();
+    }
+
+    fn run(&self) {
+        let mut g = self.heap.lock();
+        loop {
+            if g.1 {
+                return;
+            }
+            let now = Instant::now();
+            while g.0.peek().is_some_and(|e| e.at <= now) {
+                if let Some(e) = g.0.pop() {
+                    if let Some(b) = e.batch.upgrade() {
+                        b.check_deadline();
+                    }
+                }
+            }
+            match g.0.peek().map(|e| e.at) {
+                Some(at) => {
+                    self.cv.wait_until(&mut g, at);
+                }
+                None => self.cv.wait(&mut g),
+            }
+        }
+    }
+}

@@ -1,0 +1,48 @@
+//! Engine configuration.
+
+use std::net::SocketAddr;
+use std::time::Duration;
+
+/// Which transport to use towards peers.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum TransportKind {
+    /// Shared memory when both peers run on one host (same boot id and namespaces), TCP otherwise.
+    Auto,
+    /// Always TCP.
+    Tcp,
+    /// Always shared memory; connecting to a peer on another host fails with `Error::Unsupported`.
+    Shm,
+}
+
+/// Engine configuration. `EngineConfig::default()` listens on an ephemeral loopback port.
+#[derive(Clone, Debug)]
+pub struct EngineConfig {
+    /// Listen address (port 0 = ephemeral).
+    pub listen: SocketAddr,
+    /// Shared secret; `None` = no authentication.
+    pub secret: Option<Vec<u8>>,
+    /// Transport selection.
+    pub transport: TransportKind,
+    /// TCP connections per peer.
+    pub lanes: usize,
+    /// Largest slice in bytes (writes larger than this are cut and striped over lanes).
+    pub slice_size: usize,
+    /// Deadline for batches submitted with `None`.
+    pub default_deadline: Duration,
+    /// Deadline for connecting and the handshake.
+    pub connect_timeout: Duration,
+}
+
+impl Default for EngineConfig {
+    fn default() -> Self {
+        EngineConfig {
+            listen: SocketAddr::from(([127, 0, 0, 1], 0)),
+            secret: None,
+            transport: TransportKind::Auto,
+            lanes: 4,
+            slice_size: 1 << 20,
+            default_deadline: Duration::from_secs(10),
+            connect_timeout: Duration::from_secs(5),
+        }
+    }
+}

@@ -1,0 +1,1145 @@
+//! The engine: regions, peers (handshake, control connection), batches.
+
+use std::collections::HashMap;
+use std::io::Write;
+use std::net::{Shutdown, SocketAddr, TcpListener, TcpStream};
+use std::os::fd::AsRawFd;
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
+use std::sync::{Arc, Weak};
+use std::time::{Duration, Instant};
+
+use crossbeam_channel::Sender;
+use parking_lot::{Mutex, RwLock};
+
+use crate::auth;
+use crate::batch::{Batch, Pending, Timer};
+use crate::coalesce::coalesce;
+use crate::config::{EngineConfig, TransportKind};
+use crate::error::Error;
+use crate::mem::RegionMem;
+use crate::notify::{Notification, Notifications, NotifyQueue};
+use crate::region::{
+    check_bounds, Access, RegionEntry, RegionHandle, RegionId, RegionTable, RemoteRegion,
+};
+use crate::transport::shm::CopyJob;
+use crate::transport::tcp::{serve_lane, OnDead};
+use crate::transport::{
+    Dir, EstablishCtx, NotifyTracker, PeerTransport, Posted, ShmTransport, TargetCtx, TcpTransport,
+    Transport, Xfer,
+};
+use crate::wire::{self, CtrlMsg, HostIdentity, WireRegion, TRANSPORT_SHM, TRANSPORT_TCP};
+use crate::Op;
+
+/// Identifies a peer within one engine.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct PeerId(pub u64);
+
+/// What a peer learns about this engine: where to connect, where it runs, what it offers.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Descriptor {
+    /// Listen address.
+    pub addr: SocketAddr,
+    /// Host identity (same identity = shared memory possible).
+    pub host: HostIdentity,
+    /// Regions offered to peers.
+    pub regions: Vec<RemoteRegion>,
+}
+
+/// Concurrent handshakes accepted at once (beyond this, new connections are closed).
+const MAX_HANDSHAKES: usize = 64;
+
+/// Serialized writer of a peer's control connection.
+pub(crate) struct CtrlWriter {
+    s: Mutex<TcpStream>,
+}
+
+impl CtrlWriter {
+    pub fn send(&self, m: &CtrlMsg) -> Result<(), Error> {
+        let buf = m.encode();
+        self.s.lock().write_all(&buf)?;
+        Ok(())
+    }
+}
+
+#[derive(Default)]
+struct RemoteTable {
+    by_index: HashMap<u32, WireRegion>,
+    /// Last generation seen removed per index (to tell stale from unknown).
+    removed: HashMap<u32, u32>,
+}
+
+impl RemoteTable {
+    fn upsert(&mut self, r: WireRegion) {
+        self.removed.remove(&r.id.index);
+        self.by_index.insert(r.id.index, r);
+    }
+    fn remove(&mut self, id: RegionId) {
+        if self.by_index.get(&id.index).is_some_and(|r| r.id == id) {
+            self.by_index.remove(&id.index);
+        }
+        let g = self.removed.entry(id.index).or_insert(0);
+        *g = (*g).max(id.generation);
+    }
+    fn check(&self, id: RegionId, offset: u64, len: u64, write: bool) -> Result<WireRegion, Error> {
+        let r = match self.by_index.get(&id.index) {
+            Some(r) if r.id.generation == id.generation => *r,
+            Some(r) if id.generation < r.id.generation => return Err(Error::StaleRegion(id)),
+            None if self
+                .removed
+                .get(&id.index)
+                .is_some_and(|g| id.generation <= *g) =>
+            {
+                return Err(Error::StaleRegion(id))
+            }
+            _ => return Err(Error::UnknownRegion(id)),
+        };
+        let ok = if write {
+            r.access.remote_write()
+        } else {
+            r.access.remote_read()
+        };
+        if !ok {
+            return Err(Error::AccessDenied(id));
+        }
+        check_bounds(id, offset, len, r.len)?;
+        Ok(r)
+    }
+}
+
+pub(crate) struct PeerInner {
+    id: PeerId,
+    kind: TransportKind,
+    remote_addr: SocketAddr,
+    remote_host: HostIdentity,
+    ctrl: Arc<CtrlWriter>,
+    ctrl_stream: TcpStream,
+    remote: RwLock<RemoteTable>,
+    pending: Arc<Pending>,
+    tracker: Arc<NotifyTracker>,
+    transport: Arc<dyn PeerTransport>,
+    our_token: [u8; 16],
+    inbound_lanes: Mutex<Vec<TcpStream>>,
+    dead: AtomicBool,
+    /// Same host: region announcements carry the shm keys (fd, inode, address).
+    same_host: bool,
+    core: Weak<Core>,
+}
+
+/// A connected peer (outbound from `connect`, or inbound). Cheap to clone.
+#[derive(Clone)]
+pub struct Peer {
+    pub(crate) inner: Arc<PeerInner>,
+}
+
+impl std::fmt::Debug for Peer {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Peer")
+            .field("id", &self.inner.id)
+            .field("transport", &self.inner.kind)
+            .field("remote_addr", &self.inner.remote_addr)
+            .finish()
+    }
+}
+
+impl Peer {
+    /// This peer's id within our engine.
+    pub fn id(&self) -> PeerId {
+        self.inner.id
+    }
+    /// The transport this engine uses towards the peer (`Tcp` or `Shm`). Each side chooses for
+    /// its own direction: shm needs the same host and permission to access the peer's memory
+    /// (probed during the handshake); otherwise tcp.
+    pub fn transport(&self) -> TransportKind {
+        self.inner.transport.kind()
+    }
+    /// Regions the remote offers to us, kept current as it registers and unregisters.
+    pub fn regions(&self) -> Vec<RemoteRegion> {
+        let mut v: Vec<RemoteRegion> = self
+            .inner
+            .remote
+            .read()
+            .by_index
+            .values()
+            .map(|r| RemoteRegion {
+                id: r.id,
+                len: r.len,
+                access: r.access,
+            })
+            .collect();
+        v.sort_by_key(|r| r.id.index);
+        v
+    }
+    /// The address of the peer's control connection.
+    pub fn remote_addr(&self) -> SocketAddr {
+        self.inner.remote_addr
+    }
+    /// The peer's host identity.
+    pub fn remote_host(&self) -> HostIdentity {
+        self.inner.remote_host.clone()
+    }
+    /// Whether the peer is still connected.
+    pub fn is_alive(&self) -> bool {
+        !self.inner.dead.load(Ordering::Acquire)
+    }
+}
+
+pub(crate) struct Core {
+    cfg: EngineConfig,
+    listen_addr: SocketAddr,
+    listener: TcpListener,
+    regions: Arc<RegionTable>,
+    peers: Mutex<HashMap<PeerId, Arc<PeerInner>>>,
+    tokens: Mutex<HashMap<[u8; 16], Weak<PeerInner>>>,
+    /// Held while (region table change + broadcast) and while (peer insert + region snapshot),
+    /// so every peer sees every region change exactly in order.
+    reg_lock: Mutex<()>,
+    notify: Arc<NotifyQueue>,
+    timer: Arc<Timer>,
+    shut: AtomicBool,
+    host: HostIdentity,
+    next_batch: AtomicU64,
+    next_peer: AtomicU64,
+    handshakes: AtomicUsize,
+    copy_tx: Mutex<Option<Sender<CopyJob>>>,
+    transports: Vec<Box<dyn Transport>>,
+}
+
+struct Handle {
+    core: Arc<Core>,
+}
+
+impl Drop for Handle {
+    fn drop(&mut self) {
+        self.core.shutdown();
+    }
+}
+
+/// The transfer engine. Cheap to clone; dropping the last clone shuts it down.
+#[derive(Clone)]
+pub struct Engine {
+    h: Arc<Handle>,
+}
+
+impl std::fmt::Debug for Engine {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Engine")
+            .field("listen", &self.h.core.listen_addr)
+            .finish_non_exhaustive()
+    }
+}
+
+fn read_trim(p: &str) -> String {
+    std::fs::read_to_string(p)
+        .map(|s| s.trim().to_string())
+        .unwrap_or_default()
+}
+
+fn link(p: &str) -> String {
+    std::fs::read_link(p)
+        .map(|l| l.to_string_lossy().into_owned())
+        .unwrap_or_default()
+}
+
+pub(crate) fn host_identity() -> HostIdentity {
+    HostIdentity {
+        boot_id: read_trim("/proc/sys/kernel/random/boot_id"),
+        pid_ns: link("/proc/self/ns/pid"),
+        mnt_ns: link("/proc/self/ns/mnt"),
+        pid: std::process::id(),
+    }
+}
+
+fn wire_region(e: &RegionEntry, shm: bool) -> WireRegion {
+    let (addr, fd, ino) = if shm {
+        (
+            e.mem.addr(),
+            e.mem.memfd().map(|f| f.as_raw_fd()).unwrap_or(-1),
+            e.mem.memfd_ino(),
+        )
+    } else {
+        (0, -1, 0)
+    };
+    WireRegion {
+        id: e.id,
+        len: e.mem.len() as u64,
+        access: e.access,
+        addr,
+        fd,
+        ino,
+    }
+}
+
+struct Handshaken {
+    kind: TransportKind,
+    remote_host: HostIdentity,
+    remote_regions: Vec<WireRegion>,
+    remote_token: [u8; 16],
+    our_token: [u8; 16],
+    lane_addr: SocketAddr,
+    remote_blobs: Vec<(u8, Vec<u8>)>,
+}
+
+impl Engine {
+    /// Binds the listener and starts the acceptor.
+    pub fn new(cfg: EngineConfig) -> Result<Engine, Error> {
+        if cfg.lanes == 0 || cfg.lanes > 64 {
+            return Err(Error::InvalidArgument(format!(
+                "lanes must be 1..=64, got {}",
+                cfg.lanes
+            )));
+        }
+        if cfg.slice_size == 0 {
+            return Err(Error::InvalidArgument("slice_size must be > 0".into()));
+        }
+        if cfg.secret.as_ref().is_some_and(|s| s.is_empty()) {
+            return Err(Error::InvalidArgument(
+                "empty secret (use None for no authentication)".into(),
+            ));
+        }
+        let listener = TcpListener::bind(cfg.listen)?;
+        let listen_addr = listener.local_addr()?;
+        let timer = Arc::new(Timer::default());
+        timer.start()?;
+        let (copy_tx, copy_rx) = crossbeam_channel::unbounded::<CopyJob>();
+        std::thread::Builder::new()
+            .name("kvwire-copy".into())
+            .spawn(move || {
+                while let Ok(job) = copy_rx.recv() {
+                    job();
+                }
+            })?;
+        let core = Arc::new(Core {
+            cfg,
+            listen_addr,
+            listener,
+            regions: Arc::new(RegionTable::default()),
+            peers: Mutex::new(HashMap::new()),
+            tokens: Mutex::new(HashMap::new()),
+            reg_lock: Mutex::new(()),
+            notify: Arc::new(NotifyQueue::default()),
+            timer,
+            shut: AtomicBool::new(false),
+            host: host_identity(),
+            next_batch: AtomicU64::new(1),
+            next_peer: AtomicU64::new(1),
+            handshakes: AtomicUsize::new(0),
+            copy_tx: Mutex::new(Some(copy_tx)),
+            transports: vec![Box::new(TcpTransport), Box::new(ShmTransport::new())],
+        });
+        let c = core.clone();
+        std::thread::Builder::new()
+            .name("kvwire-accept".into())
+            .spawn(move || accept_loop(c))?;
+        Ok(Engine {
+            h: Arc::new(Handle { core }),
+        })
+    }
+
+    fn core(&self) -> &Arc<Core> {
+        &self.h.core
+    }
+
+    /// The bound listen address.
+    pub fn listen_addr(&self) -> SocketAddr {
+        self.core().listen_addr
+    }
+
+    /// Closes every connection and fails in-flight batches with `Error::Shutdown`.
+    pub fn shutdown(&self) {
+        self.core().shutdown();
+    }
+
+    /// Allocates an engine-owned region: zeroed, page aligned, backed by a memfd (so same-host
+    /// peers can map it).
+    pub fn alloc_region(&self, len: usize, access: Access) -> Result<RegionHandle, Error> {
+        let mem = RegionMem::alloc_memfd(len).map_err(|e| match e.kind() {
+            std::io::ErrorKind::InvalidInput => Error::InvalidArgument(e.to_string()),
+            _ => Error::Io(e),
+        })?;
+        self.core().add_region(Arc::new(mem), access)
+    }
+
+    /// Registers caller-owned memory.
+    ///
+    /// # Safety
+    /// `ptr..ptr+len` must stay valid for reads and writes until `unregister` returns and every
+    /// batch that used the region has completed; the caller must not hold Rust references into it
+    /// while peers may write (remote writes land at any time).
+    pub unsafe fn register_raw(
+        &self,
+        ptr: *mut u8,
+        len: usize,
+        access: Access,
+    ) -> Result<RegionHandle, Error> {
+        // SAFETY: forwarded contract of this function.
+        let mem = unsafe { RegionMem::from_raw(ptr, len) }
+            .map_err(|e| Error::InvalidArgument(e.to_string()))?;
+        self.core().add_region(Arc::new(mem), access)
+    }
+
+    /// Unregisters a region; its handle and id become stale everywhere.
+    pub fn unregister(&self, r: RegionHandle) -> Result<(), Error> {
+        let core = self.core();
+        let _g = core.reg_lock.lock();
+        let e = core.regions.remove(r)?;
+        if e.access.offered() {
+            core.broadcast(|_| CtrlMsg::RegionsRemoved(vec![e.id]));
+        }
+        Ok(())
+    }
+
+    /// Copies `data` into a local region.
+    pub fn local_write(&self, r: RegionHandle, offset: u64, data: &[u8]) -> Result<(), Error> {
+        let e = self.core().regions.get(r.id())?;
+        check_bounds(r.id(), offset, data.len() as u64, e.mem.len() as u64)?;
+        e.mem.copy_in(offset, data)?;
+        Ok(())
+    }
+
+    /// Copies bytes out of a local region.
+    pub fn local_read(&self, r: RegionHandle, offset: u64, out: &mut [u8]) -> Result<(), Error> {
+        let e = self.core().regions.get(r.id())?;
+        check_bounds(r.id(), offset, out.len() as u64, e.mem.len() as u64)?;
+        e.mem.copy_out(offset, out)?;
+        Ok(())
+    }
+
+    /// The id under which peers see a region.
+    pub fn region_id(&self, r: RegionHandle) -> RegionId {
+        r.id()
+    }
+
+    /// Length of a local region.
+    pub fn region_len(&self, r: RegionHandle) -> Result<u64, Error> {
+        Ok(self.core().regions.get(r.id())?.mem.len() as u64)
+    }
+
+    /// What a peer receives: listen address, host identity, offered regions.
+    pub fn descriptor(&self) -> Descriptor {
+        let mut regions = self.core().regions.offered();
+        regions.sort_by_key(|r| r.id.index);
+        Descriptor {
+            addr: self.listen_addr(),
+            host: self.core().host.clone(),
+            regions,
+        }
+    }
+
+    /// Connects to a peer engine: handshake (version, mutual secret proof, region descriptors,
+    /// transport choice), then data lanes for TCP.
+    pub fn connect(&self, addr: SocketAddr) -> Result<Peer, Error> {
+        let core = self.core();
+        core.check_open()?;
+        let t = core.cfg.connect_timeout;
+        let mut s = TcpStream::connect_timeout(&addr, t).map_err(|e| match e.kind() {
+            std::io::ErrorKind::TimedOut | std::io::ErrorKind::WouldBlock => Error::Timeout,
+            _ => Error::Io(e),
+        })?;
+        s.set_nodelay(true)?;
+        s.set_read_timeout(Some(t))?;
+        s.set_write_timeout(Some(t))?;
+        let hs = initiator_handshake(core, &mut s, addr).map_err(timeout_err)?;
+        let peer = core.make_peer(s, hs, true)?;
+        if let Err(e) = peer.transport.warm_up() {
+            core.kill_peer(
+                peer.id,
+                &format!("setting up the data path failed: {e}"),
+                false,
+            );
+            return Err(timeout_err(e));
+        }
+        Ok(Peer { inner: peer })
+    }
+
+    /// Every connected peer, inbound ones included.
+    pub fn peers(&self) -> Vec<Peer> {
+        let mut v: Vec<Peer> = self
+            .core()
+            .peers
+            .lock()
+            .values()
+            .map(|p| Peer { inner: p.clone() })
+            .collect();
+        v.sort_by_key(|p| p.id());
+        v
+    }
+
+    /// Submits a batch of writes (local → remote), with an optional notification delivered to
+    /// the target after every byte landed. One completion for the whole batch.
+    pub fn write(
+        &self,
+        peer: &Peer,
+        ops: &[Op],
+        notify: Option<&[u8]>,
+        deadline: Option<Duration>,
+    ) -> Result<Batch, Error> {
+        if let Some(t) = notify {
+            if t.len() > wire::MAX_TAG as usize {
+                return Err(Error::InvalidArgument(format!(
+                    "notification tag of {} bytes exceeds {}",
+                    t.len(),
+                    wire::MAX_TAG
+                )));
+            }
+        }
+        self.submit(peer, ops, notify.map(|t| t.to_vec()), deadline, Dir::Write)
+    }
+
+    /// Submits a batch of reads (remote → local). `Op::local` is the destination.
+    pub fn read(
+        &self,
+        peer: &Peer,
+        ops: &[Op],
+        deadline: Option<Duration>,
+    ) -> Result<Batch, Error> {
+        self.submit(peer, ops, None, deadline, Dir::Read)
+    }
+
+    fn submit(
+        &self,
+        peer: &Peer,
+        ops: &[Op],
+        notify: Option<Vec<u8>>,
+        deadline: Option<Duration>,
+        dir: Dir,
+    ) -> Result<Batch, Error> {
+        let core = self.core();
+        core.check_open()?;
+        let p = &peer.inner;
+        if !p.core.ptr_eq(&Arc::downgrade(core)) {
+            return Err(Error::InvalidArgument(
+                "peer belongs to another engine".into(),
+            ));
+        }
+        if let Some(r) = p.pending.closed_reason() {
+            return Err(Error::PeerDead(r));
+        }
+        let deadline = Instant::now() + deadline.unwrap_or(core.cfg.default_deadline);
+        let write = dir == Dir::Write;
+        // Check every op as submitted (errors name the caller's op), then coalesce.
+        let mut cache: Vec<Arc<RegionEntry>> = Vec::new();
+        let mut local = |h: RegionHandle| -> Result<Arc<RegionEntry>, Error> {
+            if let Some(e) = cache.iter().find(|e| e.id == h.id()) {
+                return Ok(e.clone());
+            }
+            let e = core.regions.get(h.id())?;
+            cache.push(e.clone());
+            Ok(e)
+        };
+        {
+            let remote = p.remote.read();
+            for op in ops {
+                let e = local(op.local)?;
+                check_bounds(op.local.id(), op.local_offset, op.len, e.mem.len() as u64)?;
+                remote.check(op.remote, op.remote_offset, op.len, write)?;
+            }
+        }
+        let merged = coalesce(ops);
+        let mut xfers = Vec::with_capacity(merged.len());
+        let mut bytes = 0u64;
+        {
+            let remote = p.remote.read();
+            for op in &merged {
+                let r = remote.check(op.remote, op.remote_offset, op.len, write)?;
+                xfers.push(Xfer {
+                    local: local(op.local)?,
+                    local_offset: op.local_offset,
+                    remote: r,
+                    remote_offset: op.remote_offset,
+                    len: op.len,
+                });
+                bytes += op.len;
+            }
+        }
+        let posted = Posted {
+            id: core.next_batch.fetch_add(1, Ordering::Relaxed),
+            dir,
+            xfers,
+            notify,
+            ops: ops.len(),
+            bytes,
+            deadline,
+            timer: core.timer.clone(),
+        };
+        let state = p.transport.post(posted, &p.pending)?;
+        Ok(Batch { state })
+    }
+
+    /// Notifications delivered to this engine as a target.
+    pub fn notifications(&self) -> Notifications {
+        Notifications {
+            q: self.core().notify.clone(),
+        }
+    }
+}
+
+fn timeout_err(e: Error) -> Error {
+    match e {
+        Error::Io(io)
+            if matches!(
+                io.kind(),
+                std::io::ErrorKind::WouldBlock | std::io::ErrorKind::TimedOut
+            ) =>
+        {
+            Error::Timeout
+        }
+        e => e,
+    }
+}
+
+impl Core {
+    fn check_open(&self) -> Result<(), Error> {
+        if self.shut.load(Ordering::Acquire) {
+            Err(Error::Shutdown)
+        } else {
+            Ok(())
+        }
+    }
+
+    fn add_region(&self, mem: Arc<RegionMem>, access: Access) -> Result<RegionHandle, Error> {
+        self.check_open()?;
+        let _g = self.reg_lock.lock();
+        let h = self.regions.insert(mem, access)?;
+        if access.offered() {
+            let e = self.regions.get(h.id())?;
+            self.broadcast(|p| CtrlMsg::RegionsAdded(vec![wire_region(&e, p.same_host)]));
+        }
+        Ok(h)
+    }
+
+    /// Sends a control message to every peer (callers hold `reg_lock`).
+    fn broadcast(&self, msg: impl Fn(&PeerInner) -> CtrlMsg) {
+        let peers: Vec<_> = self.peers.lock().values().cloned().collect();
+        for p in peers {
+            if let Err(e) = p.ctrl.send(&msg(&p)) {
+                tracing::debug!(peer = ?p.id, error = %e, "region update not sent");
+            }
+        }
+    }
+
+    fn hello_blobs(&self) -> Vec<(u8, Vec<u8>)> {
+        let allowed = allowed_transports(self.cfg.transport);
+        self.transports
+            .iter()
+            .filter(|t| t.bit() & allowed != 0)
+            .filter_map(|t| t.hello_blob().map(|b| (t.bit(), b)))
+            .collect()
+    }
+
+    fn offered_wire(&self, shm: bool) -> Vec<WireRegion> {
+        self.regions
+            .all()
+            .iter()
+            .filter(|e| e.access.offered())
+            .map(|e| wire_region(e, shm))
+            .collect()
+    }
+
+    fn make_peer(
+        self: &Arc<Self>,
+        s: TcpStream,
+        hs: Handshaken,
+        initiator: bool,
+    ) -> Result<Arc<PeerInner>, Error> {
+        let id = PeerId(self.next_peer.fetch_add(1, Ordering::Relaxed));
+        let remote_addr = s.peer_addr()?;
+        s.set_read_timeout(None)?;
+        s.set_write_timeout(Some(self.cfg.connect_timeout.max(Duration::from_secs(1))))?;
+        let ctrl = Arc::new(CtrlWriter {
+            s: Mutex::new(s.try_clone()?),
+        });
+        let pending = Arc::new(Pending::default());
+        let weak_core = Arc::downgrade(self);
+        let on_dead: OnDead = {
+            let wc = weak_core.clone();
+            Arc::new(move |reason: String| {
+                if let Some(c) = wc.upgrade() {
+                    c.kill_peer(id, &reason, false);
+                }
+            })
+        };
+        let t = self
+            .transports
+            .iter()
+            .find(|t| t.kind() == hs.kind)
+            .ok_or_else(|| Error::Unsupported(format!("transport {:?} not available", hs.kind)))?;
+        let transport = t.establish(EstablishCtx {
+            remote_blob: hs
+                .remote_blobs
+                .iter()
+                .find(|(k, _)| *k == t.bit())
+                .map(|(_, b)| b.as_slice()),
+            remote_host: &hs.remote_host,
+            lane_addr: hs.lane_addr,
+            remote_token: hs.remote_token,
+            cfg: &self.cfg,
+            ctrl: ctrl.clone(),
+            pending: pending.clone(),
+            on_dead,
+            copy_tx: self.copy_tx.lock().clone().ok_or(Error::Shutdown)?,
+        })?;
+        let mut table = RemoteTable::default();
+        for r in hs.remote_regions {
+            if r.access.offered() {
+                table.upsert(r);
+            }
+        }
+        let same_host = self.host.same_host(&hs.remote_host);
+        let peer = Arc::new(PeerInner {
+            id,
+            kind: hs.kind,
+            remote_addr,
+            remote_host: hs.remote_host,
+            ctrl,
+            ctrl_stream: s,
+            remote: RwLock::new(table),
+            pending,
+            tracker: Arc::new(NotifyTracker::default()),
+            transport,
+            our_token: hs.our_token,
+            inbound_lanes: Mutex::new(Vec::new()),
+            dead: AtomicBool::new(false),
+            same_host,
+            core: weak_core,
+        });
+        {
+            let _g = self.reg_lock.lock();
+            if self.shut.load(Ordering::Acquire) {
+                return Err(Error::Shutdown);
+            }
+            self.tokens
+                .lock()
+                .insert(hs.our_token, Arc::downgrade(&peer));
+            self.peers.lock().insert(id, peer.clone());
+            let shm = peer.same_host;
+            let msg = if initiator {
+                // Our region list went out in `Auth` before the peer existed: resend the current
+                // one now that updates reach this peer.
+                Some(CtrlMsg::RegionsSet(self.offered_wire(shm)))
+            } else {
+                Some(CtrlMsg::Welcome {
+                    regions: self.offered_wire(shm),
+                })
+            };
+            if let Some(m) = msg {
+                if let Err(e) = peer.ctrl.send(&m) {
+                    drop(_g);
+                    self.kill_peer(id, &format!("control send failed: {e}"), false);
+                    return Err(e);
+                }
+            }
+        }
+        let reader = peer.ctrl_stream.try_clone()?;
+        let (wc, p2) = (Arc::downgrade(self), peer.clone());
+        std::thread::Builder::new()
+            .name("kvwire-ctrl".into())
+            .spawn(move || ctrl_loop(wc, p2, reader))?;
+        tracing::debug!(?id, kind = ?hs.kind, %remote_addr, "peer connected");
+        Ok(peer)
+    }
+
+    fn kill_peer(&self, id: PeerId, reason: &str, shutdown: bool) {
+        let p = self.peers.lock().remove(&id);
+        let Some(p) = p else { return };
+        if p.dead.swap(true, Ordering::AcqRel) {
+            return;
+        }
+        tracing::debug!(?id, reason, "peer closed");
+        self.tokens.lock().remove(&p.our_token);
+        p.pending.close(reason, shutdown);
+        p.transport.close();
+        p.tracker.clear();
+        let _ = p.ctrl_stream.shutdown(Shutdown::Both);
+        for s in p.inbound_lanes.lock().drain(..) {
+            let _ = s.shutdown(Shutdown::Both);
+        }
+    }
+
+    fn shutdown(&self) {
+        if self.shut.swap(true, Ordering::AcqRel) {
+            return;
+        }
+        let _ =
+            nix::sys::socket::shutdown(self.listener.as_raw_fd(), nix::sys::socket::Shutdown::Both);
+        // Wake the acceptor in case shutdown(2) on a listener does not (it does on Linux).
+        let _ = TcpStream::connect_timeout(&self.listen_addr, Duration::from_millis(100));
+        let ids: Vec<PeerId> = self.peers.lock().keys().copied().collect();
+        for id in ids {
+            self.kill_peer(id, "engine shut down", true);
+        }
+        self.notify.close();
+        self.timer.stop();
+        self.copy_tx.lock().take();
+    }
+}
+
+// ---------------------------------------------------------------- handshake
+
+fn allowed_transports(k: TransportKind) -> u8 {
+    match k {
+        TransportKind::Tcp => TRANSPORT_TCP,
+        TransportKind::Shm => TRANSPORT_SHM,
+        TransportKind::Auto => TRANSPORT_TCP | TRANSPORT_SHM,
+    }
+}
+
+/// This side's transport towards a peer: shm when both allow it and the peer's memory is
+/// reachable (same host, probe read succeeds), else tcp when both allow it.
+fn choose_transport(
+    core: &Core,
+    theirs: u8,
+    rhost: &HostIdentity,
+    rblobs: &[(u8, Vec<u8>)],
+) -> Result<TransportKind, Error> {
+    let ours = allowed_transports(core.cfg.transport);
+    let both = ours & theirs;
+    for t in &core.transports {
+        if both & t.bit() == 0 || t.kind() == TransportKind::Tcp {
+            continue;
+        }
+        let blob = rblobs
+            .iter()
+            .find(|(k, _)| *k == t.bit())
+            .map(|(_, b)| b.as_slice());
+        if t.usable_with(rhost, blob) {
+            return Ok(t.kind());
+        }
+    }
+    if both & TRANSPORT_TCP != 0 {
+        return Ok(TransportKind::Tcp);
+    }
+    Err(Error::Unsupported(format!(
+        "no usable common transport (ours {ours:#x}, theirs {theirs:#x}, same host: {})",
+        core.host.same_host(rhost)
+    )))
+}
+
+fn send_reject(s: &mut TcpStream, e: &Error) {
+    let _ = s.write_all(
+        &CtrlMsg::Reject {
+            error: wire::encode_error(e),
+        }
+        .encode(),
+    );
+}
+
+fn initiator_handshake(
+    core: &Arc<Core>,
+    s: &mut TcpStream,
+    addr: SocketAddr,
+) -> Result<Handshaken, Error> {
+    let nonce_i: [u8; 32] = auth::random();
+    let secret = core.cfg.secret.as_deref();
+    s.write_all(
+        &CtrlMsg::Hello {
+            nonce: nonce_i,
+            auth: secret.is_some(),
+            host: core.host.clone(),
+            listen_port: core.listen_addr.port(),
+            transports: allowed_transports(core.cfg.transport),
+            blobs: core.hello_blobs(),
+        }
+        .encode(),
+    )?;
+    let (nonce_r, mac_r, auth_required, rhost, rtransports, rtoken, rblobs) =
+        match wire::read_ctrl(s)? {
+            CtrlMsg::HelloReply {
+                nonce,
+                mac,
+                auth_required,
+                host,
+                transports,
+                token,
+                blobs,
+            } => (nonce, mac, auth_required, host, transports, token, blobs),
+            CtrlMsg::Reject { error } => return Err(wire::decode_error(&error, true)?),
+            m => return Err(Error::Protocol(format!("expected HelloReply, got {m:?}"))),
+        };
+    // Mutual proof: the responder must prove the secret when we hold one; we must prove it when
+    // the responder requires it.
+    let mac_i = match secret {
+        Some(k) => {
+            if !auth::verify_responder(k, &nonce_i, &nonce_r, &mac_r) {
+                send_reject(s, &Error::AuthFailed);
+                return Err(Error::AuthFailed);
+            }
+            auth::initiator_proof(k, &nonce_i, &nonce_r)
+        }
+        None => {
+            if auth_required {
+                send_reject(s, &Error::AuthFailed);
+                return Err(Error::AuthFailed);
+            }
+            Vec::new()
+        }
+    };
+    let kind = match choose_transport(core, rtransports, &rhost, &rblobs) {
+        Ok(k) => k,
+        Err(e) => {
+            send_reject(s, &e);
+            return Err(e);
+        }
+    };
+    let same = core.host.same_host(&rhost);
+    let our_token: [u8; 16] = auth::random();
+    s.write_all(
+        &CtrlMsg::Auth {
+            mac: mac_i,
+            transport: if kind == TransportKind::Shm {
+                TRANSPORT_SHM
+            } else {
+                TRANSPORT_TCP
+            },
+            token: our_token,
+            regions: core.offered_wire(same),
+        }
+        .encode(),
+    )?;
+    let regions = match wire::read_ctrl(s)? {
+        CtrlMsg::Welcome { regions } => regions,
+        CtrlMsg::Reject { error } => return Err(wire::decode_error(&error, true)?),
+        m => return Err(Error::Protocol(format!("expected Welcome, got {m:?}"))),
+    };
+    Ok(Handshaken {
+        kind,
+        remote_host: rhost,
+        remote_regions: regions,
+        remote_token: rtoken,
+        our_token,
+        lane_addr: addr,
+        remote_blobs: rblobs,
+    })
+}
+
+fn responder_handshake(
+    core: &Arc<Core>,
+    s: &mut TcpStream,
+    hello: CtrlMsg,
+) -> Result<Handshaken, Error> {
+    let CtrlMsg::Hello {
+        nonce: nonce_i,
+        auth: _,
+        host: ihost,
+        listen_port,
+        transports: itransports,
+        blobs: iblobs,
+    } = hello
+    else {
+        return Err(Error::Protocol("expected Hello".into()));
+    };
+    let secret = core.cfg.secret.as_deref();
+    let nonce_r: [u8; 32] = auth::random();
+    let our_token: [u8; 16] = auth::random();
+    let ours = allowed_transports(core.cfg.transport);
+    if ours & itransports == 0 {
+        let e = Error::Unsupported(format!(
+            "no common transport (ours {ours:#x}, theirs {itransports:#x})"
+        ));
+        send_reject(s, &e);
+        return Err(e);
+    }
+    s.write_all(
+        &CtrlMsg::HelloReply {
+            nonce: nonce_r,
+            mac: secret
+                .map(|k| auth::responder_proof(k, &nonce_i, &nonce_r))
+                .unwrap_or_default(),
+            auth_required: secret.is_some(),
+            host: core.host.clone(),
+            transports: ours,
+            token: our_token,
+            blobs: core.hello_blobs(),
+        }
+        .encode(),
+    )?;
+    let (mac_i, transport, rtoken, regions) = match wire::read_ctrl(s)? {
+        CtrlMsg::Auth {
+            mac,
+            transport,
+            token,
+            regions,
+        } => (mac, transport, token, regions),
+        CtrlMsg::Reject { error } => return Err(wire::decode_error(&error, true)?),
+        m => return Err(Error::Protocol(format!("expected Auth, got {m:?}"))),
+    };
+    if let Some(k) = secret {
+        if !auth::verify_initiator(k, &nonce_i, &nonce_r, &mac_i) {
+            send_reject(s, &Error::AuthFailed);
+            return Err(Error::AuthFailed);
+        }
+    }
+    // The initiator's choice is for its direction; ours is made the same way for ours.
+    if transport == TRANSPORT_SHM && !core.host.same_host(&ihost) {
+        let e = Error::Protocol("shm chosen across hosts".into());
+        send_reject(s, &e);
+        return Err(e);
+    }
+    let kind = match choose_transport(core, itransports, &ihost, &iblobs) {
+        Ok(k) => k,
+        Err(e) => {
+            send_reject(s, &e);
+            return Err(e);
+        }
+    };
+    let peer_ip = s.peer_addr()?.ip();
+    Ok(Handshaken {
+        kind,
+        remote_host: ihost,
+        remote_regions: regions,
+        remote_token: rtoken,
+        our_token,
+        lane_addr: SocketAddr::new(peer_ip, listen_port),
+        remote_blobs: iblobs,
+    })
+}
+
+// ---------------------------------------------------------------- threads
+
+fn accept_loop(core: Arc<Core>) {
+    loop {
+        let r = core.listener.accept();
+        if core.shut.load(Ordering::Acquire) {
+            return;
+        }
+        match r {
+            Ok((s, addr)) => {
+                if core.handshakes.load(Ordering::Acquire) >= MAX_HANDSHAKES {
+                    tracing::warn!(%addr, "too many concurrent handshakes; closing connection");
+                    continue;
+                }
+                core.handshakes.fetch_add(1, Ordering::AcqRel);
+                let c = core.clone();
+                let spawned = std::thread::Builder::new()
+                    .name("kvwire-conn".into())
+                    .spawn(move || handle_conn(c, s, addr));
+                if let Err(e) = spawned {
+                    core.handshakes.fetch_sub(1, Ordering::AcqRel);
+                    tracing::warn!(error = %e, "cannot spawn connection thread");
+                }
+            }
+            Err(e) => {
+                tracing::warn!(error = %e, "accept failed");
+                std::thread::sleep(Duration::from_millis(10));
+            }
+        }
+    }
+}
+
+fn handle_conn(core: Arc<Core>, mut s: TcpStream, addr: SocketAddr) {
+    let first = (|| -> Result<CtrlMsg, Error> {
+        s.set_nodelay(true)?;
+        s.set_read_timeout(Some(core.cfg.connect_timeout))?;
+        s.set_write_timeout(Some(core.cfg.connect_timeout))?;
+        wire::read_ctrl(&mut s)
+    })();
+    let r = match first {
+        Err(e) => Err(e),
+        Ok(m @ CtrlMsg::Hello { .. }) => match responder_handshake(&core, &mut s, m) {
+            Ok(hs) => {
+                core.handshakes.fetch_sub(1, Ordering::AcqRel);
+                if let Err(e) = core.make_peer(s, hs, false) {
+                    tracing::warn!(%addr, error = %e, "peer setup failed");
+                }
+                return;
+            }
+            Err(e) => Err(e),
+        },
+        Ok(CtrlMsg::LaneJoin { token, lane }) => {
+            let peer = core.tokens.lock().get(&token).and_then(|w| w.upgrade());
+            match peer {
+                Some(p) => Ok((p, lane)),
+                None => Err(Error::AuthFailed),
+            }
+        }
+        Ok(m) => Err(Error::Protocol(format!("unexpected first message {m:?}"))),
+    };
+    core.handshakes.fetch_sub(1, Ordering::AcqRel);
+    match r {
+        Ok((p, lane)) => {
+            let setup = (|| -> Result<TcpStream, Error> {
+                s.write_all(&CtrlMsg::LaneOk.encode())?;
+                s.set_read_timeout(None)?;
+                s.set_write_timeout(None)?;
+                Ok(s.try_clone()?)
+            })();
+            match setup {
+                Ok(c) => {
+                    p.inbound_lanes.lock().push(c);
+                    if p.dead.load(Ordering::Acquire) {
+                        return;
+                    }
+                    tracing::debug!(peer = ?p.id, lane, "lane accepted");
+                    let ctx = TargetCtx {
+                        regions: core.regions.clone(),
+                        notify: core.notify.clone(),
+                        peer: p.id,
+                        tracker: p.tracker.clone(),
+                    };
+                    drop(p);
+                    drop(core);
+                    serve_lane(s, ctx);
+                }
+                Err(e) => tracing::warn!(%addr, error = %e, "lane setup failed"),
+            }
+        }
+        Err(e) => {
+            tracing::warn!(%addr, error = %e, "connection refused");
+            let e = timeout_err(e);
+            if !matches!(e, Error::Io(_)) {
+                send_reject(&mut s, &e);
+            }
+            let _ = s.shutdown(Shutdown::Both);
+        }
+    }
+}
+
+fn ctrl_loop(core: Weak<Core>, p: Arc<PeerInner>, mut s: TcpStream) {
+    let reason = loop {
+        let m = match wire::read_ctrl(&mut s) {
+            Ok(m) => m,
+            Err(e) => break format!("control connection: {e}"),
+        };
+        match m {
+            CtrlMsg::RegionsAdded(v) => {
+                let mut t = p.remote.write();
+                for r in v {
+                    if r.access.offered() {
+                        t.upsert(r);
+                    }
+                }
+            }
+            CtrlMsg::RegionsSet(v) => {
+                let mut t = p.remote.write();
+                let old: Vec<RegionId> = t.by_index.values().map(|r| r.id).collect();
+                for id in old {
+                    if !v.iter().any(|r| r.id == id) {
+                        t.remove(id);
+                    }
+                }
+                for r in v {
+                    if r.access.offered() {
+                        t.upsert(r);
+                    }
+                }
+            }
+            CtrlMsg::RegionsRemoved(ids) => {
+                {
+                    let mut t = p.remote.write();
+                    for id in &ids {
+                        t.remove(*id);
+                    }
+                }
+                p.transport.regions_removed(&ids);
+            }
+            CtrlMsg::Notify(tag) => {
+                if let Some(c) = core.upgrade() {
+                    c.notify.push(Notification { peer: p.id, tag });
+                }
+            }
+            m => break format!("unexpected control message {m:?}"),
+        }
+    };
+    if let Some(c) = core.upgrade() {
+        c.kill_peer(p.id, &reason, c.shut.load(Ordering::Acquire));
+    }
+}

@@ -1,0 +1,73 @@
+//! kvwire transfer engine.
+//!
+//! Register memory as [`RegionHandle`]s, [`Engine::connect`] to peers (handshake with protocol
+//! version, mutual shared-secret proof and region descriptors), and move bytes with batches of
+//! [`Op`]s: one completion per batch ([`Batch`]: blocking wait with deadline, O(1) poll, or
+//! `.await`), and an optional notification delivered to the target only after every byte of its
+//! batch landed ([`Engine::notifications`]).
+//!
+//! Transports: `tcp` (persistent multi-lane connections, pipelined slices, target-side bounds
+//! checks before a byte lands) and `shm` for peers on one host (the target's memfd regions mapped
+//! and copied into; `process_vm_writev` for caller memory). [`TransportKind::Auto`] picks shm when
+//! both engines share a host, tcp otherwise.
+//!
+//! ```
+//! use kvwire_transfer::{Access, Engine, EngineConfig, Op};
+//! # fn main() -> Result<(), kvwire_transfer::Error> {
+//! let target = Engine::new(EngineConfig::default())?;
+//! let dst = target.alloc_region(1 << 20, Access::WriteOnly)?;
+//! let init = Engine::new(EngineConfig::default())?;
+//! let src = init.alloc_region(1 << 20, Access::Local)?;
+//! init.local_write(src, 0, b"hello")?;
+//! let peer = init.connect(target.listen_addr())?;
+//! let op = Op { local: src, local_offset: 0, remote: target.region_id(dst), remote_offset: 0, len: 5 };
+//! init.write(&peer, &[op], Some(b"req-1"), None)?.wait()?;
+//! let n = target.notifications().recv_timeout(std::time::Duration::from_secs(1))?;
+//! assert_eq!(n.tag, b"req-1");
+//! # Ok(()) }
+//! ```
+//!
+//! `unsafe` lives only in the raw-memory module (`mem`) (plus the forwarding call inside the
+//! `unsafe fn` [`Engine::register_raw`]); region memory is never exposed as a
+//! Rust slice (peers write into it concurrently): use [`Engine::local_write`] and
+//! [`Engine::local_read`].
+
+mod auth;
+mod batch;
+pub mod coalesce;
+mod config;
+#[cfg(feature = "cuda")]
+pub mod cuda;
+mod engine;
+mod error;
+pub mod layer;
+mod mem;
+mod notify;
+mod region;
+mod transport;
+pub mod verbs;
+pub mod wire;
+
+pub use batch::{Batch, BatchStats};
+pub use config::{EngineConfig, TransportKind};
+pub use engine::{Descriptor, Engine, Peer, PeerId};
+pub use error::Error;
+pub use notify::{Notification, Notifications};
+pub use region::{Access, RegionHandle, RegionId, RemoteRegion};
+pub use wire::HostIdentity;
+
+/// One transfer of a batch: `len` bytes between `(local, local_offset)` and
+/// `(remote, remote_offset)` (direction given by `Engine::write`/`Engine::read`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub struct Op {
+    /// Local region (source of a write, destination of a read).
+    pub local: RegionHandle,
+    /// Offset in the local region.
+    pub local_offset: u64,
+    /// Remote region id, as the peer offers it.
+    pub remote: RegionId,
+    /// Offset in the remote region.
+    pub remote_offset: u64,
+    /// Bytes.
+    pub len: u64,
+}

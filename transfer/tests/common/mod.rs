@@ -1,0 +1,295 @@
+//! Shared test helpers: byte patterns and a target engine running in a child process
+//! (the test binary re-executed with `KVWIRE_TEST_CHILD=1`, driven over stdin/stdout).
+#![allow(dead_code)]
+
+use std::io::{BufRead, BufReader, Write};
+use std::net::SocketAddr;
+use std::process::{Child, ChildStdin, Command, Stdio};
+use std::sync::mpsc;
+use std::time::Duration;
+
+use kvwire_transfer::{Access, Engine, EngineConfig, RegionHandle};
+
+fn splitmix(mut z: u64) -> u64 {
+    z = z.wrapping_add(0x9E37_79B9_7F4A_7C15);
+    z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+    z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+    z ^ (z >> 31)
+}
+
+/// The pattern byte at absolute position `pos` for `seed` (position-dependent, so any sub-range
+/// can be checked on its own).
+pub fn pattern_at(seed: u64, pos: u64) -> u8 {
+    (splitmix(seed.wrapping_mul(0x1000_0000_01B3) ^ (pos / 8)) >> ((pos % 8) * 8)) as u8
+}
+
+/// `len` pattern bytes starting at absolute position `start`.
+pub fn pattern(seed: u64, start: u64, len: usize) -> Vec<u8> {
+    let mut v = Vec::with_capacity(len);
+    let mut pos = start;
+    while v.len() < len {
+        let w = splitmix(seed.wrapping_mul(0x1000_0000_01B3) ^ (pos / 8)).to_le_bytes();
+        let first = (pos % 8) as usize;
+        let take = (8 - first).min(len - v.len());
+        v.extend_from_slice(&w[first..first + take]);
+        pos += take as u64;
+    }
+    v
+}
+
+/// First mismatch of `data` against the pattern, if any.
+pub fn mismatch(seed: u64, start: u64, data: &[u8]) -> Option<usize> {
+    let want = pattern(seed, start, data.len());
+    data.iter().zip(want.iter()).position(|(a, b)| a != b)
+}
+
+/// Runs the child side when this process is a re-executed child; returns false otherwise.
+pub fn child_entry() -> bool {
+    if std::env::var("KVWIRE_TEST_CHILD").ok().as_deref() != Some("1") {
+        return false;
+    }
+    if let Err(e) = run_child() {
+        println!("KVW ERROR {e}");
+    }
+    std::process::exit(0);
+}
+
+fn parse_access(s: &str) -> Access {
+    match s {
+        "rw" => Access::ReadWrite,
+        "w" => Access::WriteOnly,
+        "r" => Access::ReadOnly,
+        _ => Access::Local,
+    }
+}
+
+fn run_child() -> Result<(), Box<dyn std::error::Error>> {
+    let mut cfg = EngineConfig::default();
+    if let Ok(s) = std::env::var("KVWIRE_CHILD_SECRET") {
+        cfg.secret = Some(s.into_bytes());
+    }
+    let e = Engine::new(cfg)?;
+    // Regions: "len:access[:raw],..." allocated in order (indices 0..n on a fresh engine).
+    let mut regions: Vec<RegionHandle> = Vec::new();
+    let spec = std::env::var("KVWIRE_CHILD_REGIONS").unwrap_or_else(|_| "4194304:rw".into());
+    for r in spec.split(',') {
+        let f: Vec<&str> = r.split(':').collect();
+        let len: usize = f[0].parse()?;
+        let access = parse_access(f.get(1).copied().unwrap_or("rw"));
+        let h = if f.get(2) == Some(&"raw") {
+            let mem: &'static mut [u8] = Box::leak(vec![0u8; len].into_boxed_slice());
+            // SAFETY: leaked memory lives for the rest of the process; never referenced again.
+            unsafe { e.register_raw(mem.as_mut_ptr(), len, access)? }
+        } else {
+            e.alloc_region(len, access)?
+        };
+        regions.push(h);
+    }
+    println!("KVW READY {}", e.listen_addr());
+    std::io::stdout().flush()?;
+    let notes = e.notifications();
+    let mut watcher: Option<std::thread::JoinHandle<(u64, u64)>> = None;
+    for line in std::io::stdin().lock().lines() {
+        let line = line?;
+        let w: Vec<&str> = line.split_whitespace().collect();
+        let num = |i: usize| -> u64 { w.get(i).and_then(|s| s.parse().ok()).unwrap_or(0) };
+        let reply = match w.first().copied() {
+            Some("fill") => {
+                let (r, off, len, seed) = (num(1) as usize, num(2), num(3) as usize, num(4));
+                e.local_write(regions[r], off, &pattern(seed, off, len))?;
+                "OK".to_string()
+            }
+            Some("check") => {
+                let (r, off, len, seed) = (num(1) as usize, num(2), num(3) as usize, num(4));
+                let mut buf = vec![0u8; len];
+                e.local_read(regions[r], off, &mut buf)?;
+                match mismatch(seed, off, &buf) {
+                    None => "OK".to_string(),
+                    Some(i) => format!("BAD at {}", off + i as u64),
+                }
+            }
+            Some("zero") => {
+                let (r, off, len) = (num(1) as usize, num(2), num(3) as usize);
+                let mut buf = vec![0u8; len];
+                e.local_read(regions[r], off, &mut buf)?;
+                if buf.iter().all(|b| *b == 0) {
+                    "OK".to_string()
+                } else {
+                    "NONZERO".to_string()
+                }
+            }
+            Some("notify") => {
+                // Receive n notifications; each tag is "region off len seed"; check the bytes
+                // the moment the tag is seen.
+                let (n, timeout_ms) = (num(1), num(2));
+                let (mut ok, mut bad) = (0, 0);
+                for _ in 0..n {
+                    match notes.recv_timeout(Duration::from_millis(timeout_ms)) {
+                        Ok(note) => {
+                            let tag = String::from_utf8_lossy(&note.tag).to_string();
+                            let t: Vec<u64> = tag
+                                .split_whitespace()
+                                .filter_map(|x| x.parse().ok())
+                                .collect();
+                            if t.len() != 4 {
+                                bad += 1;
+                                continue;
+                            }
+                            let mut buf = vec![0u8; t[2] as usize];
+                            e.local_read(regions[t[0] as usize], t[1], &mut buf)?;
+                            if mismatch(t[3], t[1], &buf).is_none() {
+                                ok += 1;
+                            } else {
+                                bad += 1;
+                            }
+                        }
+                        Err(_) => break,
+                    }
+                }
+                format!("NOTIFIED {ok} {bad}")
+            }
+            Some("watch") => {
+                // Like "notify", but in the background while the parent transfers: each tag's
+                // bytes are checked the moment the tag is delivered.
+                let (n, timeout_ms) = (num(1), num(2));
+                let (e2, notes2, regions2) = (e.clone(), notes.clone(), regions.clone());
+                watcher = Some(std::thread::spawn(move || {
+                    let (mut ok, mut bad) = (0, 0);
+                    for _ in 0..n {
+                        let Ok(note) = notes2.recv_timeout(Duration::from_millis(timeout_ms))
+                        else {
+                            break;
+                        };
+                        let tag = String::from_utf8_lossy(&note.tag).to_string();
+                        let t: Vec<u64> = tag
+                            .split_whitespace()
+                            .filter_map(|x| x.parse().ok())
+                            .collect();
+                        let good = t.len() == 4 && {
+                            let mut buf = vec![0u8; t[2] as usize];
+                            e2.local_read(regions2[t[0] as usize], t[1], &mut buf)
+                                .is_ok()
+                                && mismatch(t[3], t[1], &buf).is_none()
+                        };
+                        if good {
+                            ok += 1;
+                        } else {
+                            bad += 1;
+                        }
+                    }
+                    (ok, bad)
+                }));
+                "OK".to_string()
+            }
+            Some("watch_result") => match watcher.take().map(|h| h.join()) {
+                Some(Ok((ok, bad))) => format!("NOTIFIED {ok} {bad}"),
+                _ => "NO WATCHER".to_string(),
+            },
+            Some("alloc") => {
+                let h = e.alloc_region(num(1) as usize, Access::ReadWrite)?;
+                regions.push(h);
+                format!("INDEX {} {}", regions.len() - 1, e.region_id(h).index)
+            }
+            Some("unregister") => {
+                e.unregister(regions[num(1) as usize])?;
+                "OK".to_string()
+            }
+            Some("peers") => format!("PEERS {}", e.peers().len()),
+            Some("exit") | None => break,
+            Some(other) => format!("UNKNOWN {other}"),
+        };
+        println!("KVW {reply}");
+        std::io::stdout().flush()?;
+    }
+    Ok(())
+}
+
+/// A target engine in a child process.
+pub struct Target {
+    child: Child,
+    stdin: ChildStdin,
+    lines: mpsc::Receiver<String>,
+    /// Its listen address.
+    pub addr: SocketAddr,
+}
+
+impl Target {
+    /// Spawns a child (`test_name` must be the test function calling `child_entry`).
+    pub fn spawn(test_name: &str, regions: &str, secret: Option<&str>) -> Target {
+        let mut cmd = Command::new(std::env::current_exe().expect("current exe"));
+        cmd.args(["--exact", test_name, "--nocapture", "--test-threads=1"])
+            .env("KVWIRE_TEST_CHILD", "1")
+            .env("KVWIRE_CHILD_REGIONS", regions)
+            .stdin(Stdio::piped())
+            .stdout(Stdio::piped());
+        if let Some(s) = secret {
+            cmd.env("KVWIRE_CHILD_SECRET", s);
+        }
+        let mut child = cmd.spawn().expect("spawn child");
+        let stdin = child.stdin.take().expect("stdin");
+        let stdout = child.stdout.take().expect("stdout");
+        let (tx, rx) = mpsc::channel();
+        std::thread::spawn(move || {
+            for l in BufReader::new(stdout).lines() {
+                let Ok(l) = l else { break };
+                // The test harness may print "test child_main ... " before our first line.
+                if let Some(i) = l.find("KVW ") {
+                    if tx.send(l[i + 4..].to_string()).is_err() {
+                        break;
+                    }
+                }
+            }
+        });
+        let first = rx
+            .recv_timeout(Duration::from_secs(30))
+            .expect("child did not start");
+        let addr = first
+            .strip_prefix("READY ")
+            .unwrap_or_else(|| panic!("child said {first}"))
+            .parse()
+            .expect("addr");
+        Target {
+            child,
+            stdin,
+            lines: rx,
+            addr,
+        }
+    }
+
+    /// Sends a command, returns the reply line.
+    pub fn cmd(&mut self, c: &str) -> String {
+        writeln!(self.stdin, "{c}").expect("child stdin");
+        self.stdin.flush().expect("flush");
+        self.lines
+            .recv_timeout(Duration::from_secs(60))
+            .unwrap_or_else(|_| panic!("child did not answer {c}"))
+    }
+
+    /// Kills the child (SIGKILL).
+    pub fn kill(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+
+    /// Sends a signal to the child.
+    pub fn signal(&self, sig: i32) {
+        // Through kill(1): the tests do not depend on libc.
+        let _ = Command::new("kill")
+            .arg(format!("-{sig}"))
+            .arg(self.child.id().to_string())
+            .status();
+    }
+
+    /// Child pid.
+    pub fn pid(&self) -> u32 {
+        self.child.id()
+    }
+}
+
+impl Drop for Target {
+    fn drop(&mut self) {
+        let _ = writeln!(self.stdin, "exit");
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
