@@ -1,0 +1,26 @@
+"""The differences between vLLM 0.18.1 and 0.33.0 that the connector depends on."""
+
+from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata
+
+try:  # 0.33.0 and later
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorTransferResults
+except ImportError:  # 0.18.1: the worker calls get_finished directly; no failed_recving
+    KVConnectorTransferResults = None
+
+try:
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import SupportsHMA
+except ImportError:
+    SupportsHMA = object
+
+
+def block_ids_group0(blocks):
+    """Block ids of the first KV-cache group of a ``KVCacheBlocks``."""
+    ids = blocks.get_block_ids()
+    return list(ids[0]) if ids else []
+
+
+def preempted_ids(arg):
+    """``handle_preemptions``: 0.18.1 passes a set of request ids, 0.33.0 the metadata."""
+    if isinstance(arg, KVConnectorMetadata):
+        return set(getattr(arg, "preempted_req_ids", ()) or ())
+    return set(arg or ())

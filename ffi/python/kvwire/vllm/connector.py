@@ -1,0 +1,762 @@
+"""``KvwireConnector``: a vLLM v1 KV connector on kvwire.
+
+Roles and processes
+-------------------
+vLLM builds the connector twice: in the scheduler (``role=SCHEDULER``) and in each worker
+(``role=WORKER``). The scheduler halves of P and D run the P/D protocol core (Rust
+``PCore``/``DCore``) and talk to each other with kvwire notifications (control messages over
+kvwire itself). The worker halves register the KV caches with a kvwire engine and move the
+bytes: P's worker writes its blocks straight into D's KV cache.
+
+Request parameters (``kv_transfer_params``)
+-------------------------------------------
+* D: ``{"do_remote_prefill": true, "transfer_id": X, "remote_control": "host:port"}``
+  (P's control address).
+* P: ``{"do_remote_decode": true, "transfer_id": X, "remote_control": "host:port"}``
+  (D's control address).
+
+Extra config (``kv_connector_extra_config``)
+--------------------------------------------
+``policy``: ``eager`` | ``lazy`` (default) | ``jit`` — when D reserves its blocks (lazy: once P
+announced it started the request; until then ``get_num_new_matched_tokens`` returns ``None``
+and the request holds no block). ``send_mode``: ``whole`` (default) | ``layerwise``.
+``control_listen`` (scheduler), ``data_listen`` (worker; D's must be reachable by P's worker and
+is announced to P by D's scheduler), ``secret``, ``transport``, ``layers`` and the core's
+timeouts (``peer_timeout``, ``wait_for_p_timeout``, ``request_timeout``, ``drain_timeout``,
+``block_ids_timeout``, in seconds).
+
+Failures on D (P down, timeout, transfer error, P aborted) are reported through vLLM's load-error
+path: the request is listed in ``finished_recving`` and its blocks in
+``get_block_ids_with_load_errors`` (``kv_load_failure_policy`` decides fail or recompute). A D
+request aborted after its block ids went to P keeps its blocks (``request_finished`` returns
+``True``) until P confirms that no write is in flight.
+
+Limits: tensor parallel size 1; CPU KV caches on the worker side (the engine has no CUDA memory
+yet); D must not use a local prefix hit for a remote-prefill request (all prompt blocks are
+received).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import struct
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import kvwire
+from kvwire._kvwire import DCore, PCore
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+    KVConnectorBase_V1,
+    KVConnectorMetadata,
+    KVConnectorRole,
+)
+
+from vllm.v1.request import RequestStatus
+
+from kvwire.vllm import compat
+
+logger = logging.getLogger("kvwire.vllm")
+
+# ---- control envelope ------------------------------------------------------------------------
+# b"KVW1" | kind u8 | u16 len + sender control address | u16 len + sender data address | payload
+_MAGIC = b"KVW1"
+KIND_TO_P = 1  # payload: an encoded kvwire-connector Message from a D core to a P core
+KIND_XFER = 2  # payload: req u64 | layer u16 | ok u8 | bytes u64 (P worker -> P scheduler)
+KIND_TO_D = 3  # payload: an encoded kvwire-connector Message from a P core to a D core
+_XFER = struct.Struct("<QHBQ")
+
+
+def encode_envelope(kind: int, control: str, data: str, payload: bytes) -> bytes:
+    c, d = control.encode(), data.encode()
+    return _MAGIC + struct.pack("<BH", kind, len(c)) + c + struct.pack("<H", len(d)) + d + payload
+
+
+def decode_envelope(tag: bytes):
+    """``(kind, control, data, payload)``; raises ``ValueError`` on malformed input."""
+    if len(tag) < 7 or tag[:4] != _MAGIC:
+        raise ValueError("not a kvwire connector envelope")
+    kind, n = struct.unpack_from("<BH", tag, 4)
+    i = 7
+    if len(tag) < i + n + 2:
+        raise ValueError("truncated envelope")
+    control = tag[i:i + n].decode()
+    i += n
+    (m,) = struct.unpack_from("<H", tag, i)
+    i += 2
+    if len(tag) < i + m:
+        raise ValueError("truncated envelope")
+    data = tag[i:i + m].decode()
+    return kind, control, data, bytes(tag[i + m:])
+
+
+def request_key(transfer_id: str) -> int:
+    """The 64-bit request id both sides derive from the shared transfer id."""
+    return int.from_bytes(hashlib.blake2b(transfer_id.encode(), digest_size=8).digest(), "little")
+
+
+def _now() -> int:
+    return time.monotonic_ns()
+
+
+class _Control:
+    """A kvwire engine used for control messages: sends go over our own outbound connection to
+    each peer's listen address; receives are notifications."""
+
+    def __init__(self, listen: str, secret, transport: str, data_addr: str = ""):
+        self.engine = kvwire.Engine(listen=listen, secret=secret, transport=transport)
+        self.addr = self.engine.listen_addr
+        self.data_addr = data_addr
+        self._peers: dict[str, Any] = {}
+        self._ids: dict[str, int] = {}
+        self._addrs: dict[int, str] = {}
+        self.bad_messages = 0
+
+    def peer_id(self, addr: str) -> int:
+        pid = self._ids.get(addr)
+        if pid is None:
+            pid = len(self._ids) + 1
+            self._ids[addr] = pid
+            self._addrs[pid] = addr
+        return pid
+
+    def addr_of(self, pid: int) -> str | None:
+        return self._addrs.get(pid)
+
+    def send(self, pid_or_addr, kind: int, payload: bytes) -> None:
+        """Sends one message; raises a ``kvwire.KvwireError`` when the peer cannot be reached."""
+        addr = pid_or_addr if isinstance(pid_or_addr, str) else self._addrs[pid_or_addr]
+        peer = self._peers.get(addr)
+        if peer is None or not peer.alive:
+            peer = self.engine.connect(addr)
+            self._peers[addr] = peer
+        tag = encode_envelope(kind, self.addr, self.data_addr, payload)
+        try:
+            self.engine.write(peer, [], notify=tag).wait()
+        except kvwire.KvwireError:
+            self._peers.pop(addr, None)
+            raise
+
+    def drain(self, limit: int = 100_000):
+        """Queued messages as ``(kind, control, data, payload)``; malformed ones are dropped."""
+        out = []
+        for _ in range(limit):
+            n = self.engine.try_get_notification()
+            if n is None:
+                break
+            try:
+                out.append(decode_envelope(bytes(n.tag)))
+            except (ValueError, UnicodeDecodeError, struct.error):
+                self.bad_messages += 1
+        return out
+
+    def close(self):
+        self.engine.shutdown()
+
+
+@dataclass
+class KvwireConnectorMetadata(KVConnectorMetadata):
+    """Scheduler -> worker, once per step."""
+
+    # D: requests whose KV fully landed (-> finished_recving).
+    finished_recving: set = field(default_factory=set)
+    # D: failed requests -> their block ids that did not load.
+    failed_recving: dict = field(default_factory=dict)
+    # Either side: delayed block frees that may now happen (-> finished_sending).
+    finished_sending: set = field(default_factory=set)
+    # P: (req_key, layer, src blocks, dst blocks, D data address, phase): phase "now" (at the
+    # start of the step), "layer" (after that layer's attention), "after" (after the forward).
+    transfers: list = field(default_factory=list)
+    # P: where the worker reports transfer completions (our scheduler's control address).
+    scheduler_control: str = ""
+    preempted_req_ids: set = field(default_factory=set)
+
+
+def _extra(vllm_config) -> dict:
+    kt = vllm_config.kv_transfer_config
+    return dict(kt.kv_connector_extra_config or {})
+
+
+def _num_layers(vllm_config, kv_cache_config, extra) -> int:
+    if "layers" in extra:
+        return int(extra["layers"])
+    if kv_cache_config is not None and kv_cache_config.kv_cache_groups:
+        return len(kv_cache_config.kv_cache_groups[0].layer_names)
+    return vllm_config.model_config.get_num_layers(vllm_config.parallel_config)
+
+
+class KvwireConnector(KVConnectorBase_V1, compat.SupportsHMA):
+    """kvwire's P/D connector (see the module docstring)."""
+
+    def __init__(self, vllm_config, role, kv_cache_config=None):
+        super().__init__(vllm_config, role, kv_cache_config)
+        extra = _extra(vllm_config)
+        self._extra = extra
+        self._policy = extra.get("policy", "lazy")
+        self._send_mode = extra.get("send_mode", "whole")
+        secret = extra.get("secret")
+        self._secret = secret.encode() if isinstance(secret, str) else secret
+        self._transport = extra.get("transport", "auto")
+        self._block_size = vllm_config.cache_config.block_size
+        self._layers = _num_layers(vllm_config, kv_cache_config, extra)
+        kt = vllm_config.kv_transfer_config
+        self._is_producer = kt.kv_role in ("kv_producer", "kv_both")
+        self._is_consumer = kt.kv_role in ("kv_consumer", "kv_both")
+        if role == KVConnectorRole.SCHEDULER:
+            self._sched = _SchedulerSide(self)
+            self._worker = None
+        else:
+            self._sched = None
+            self._worker = _WorkerSide(self)
+
+    # ---- scheduler side ----
+    def get_num_new_matched_tokens(self, request, num_computed_tokens):
+        return self._sched.get_num_new_matched_tokens(request, num_computed_tokens)
+
+    def update_state_after_alloc(self, request, blocks, num_external_tokens):
+        self._sched.update_state_after_alloc(request, blocks, num_external_tokens)
+
+    def build_connector_meta(self, scheduler_output):
+        return self._sched.build_connector_meta(scheduler_output)
+
+    def update_connector_output(self, connector_output):
+        self._sched.update_connector_output(connector_output)
+
+    def request_finished(self, request, block_ids):
+        return self._sched.request_finished(request, list(block_ids))
+
+    def request_finished_all_groups(self, request, block_ids):
+        return self._sched.request_finished(request, list(block_ids[0]) if block_ids else [])
+
+    def has_pending_push_work(self):  # 0.33.0 only; keeps P stepping while sends are pending
+        return self._sched is not None and self._sched.has_pending_work()
+
+    @property
+    def control_addr(self) -> str:
+        """The scheduler side's control address (what the other side puts in
+        ``remote_control``)."""
+        return self._sched.control.addr
+
+    @property
+    def data_addr(self) -> str:
+        """The worker side's data address."""
+        return self._worker.engine.listen_addr
+
+    # ---- worker side ----
+    def register_kv_caches(self, kv_caches):
+        self._worker.register_kv_caches(kv_caches)
+
+    def start_load_kv(self, forward_context, **kwargs):
+        self._worker.start_load_kv(self._get_connector_metadata())
+
+    def wait_for_layer_load(self, layer_name):
+        return None
+
+    def save_kv_layer(self, layer_name, kv_layer, attn_metadata, **kwargs):
+        if attn_metadata is None or not self.has_connector_metadata():
+            return
+        self._worker.save_kv_layer(self._get_connector_metadata(), layer_name)
+
+    def wait_for_save(self):
+        if self.has_connector_metadata():
+            self._worker.wait_for_save(self._get_connector_metadata())
+
+    def get_finished(self, finished_req_ids):
+        return self._worker.get_finished()
+
+    def get_block_ids_with_load_errors(self):
+        return self._worker.take_load_errors()
+
+    def handle_preemptions(self, arg):
+        return None
+
+    def shutdown(self):
+        if self._sched is not None:
+            self._sched.close()
+        if self._worker is not None:
+            self._worker.close()
+
+    @classmethod
+    def get_required_kvcache_layout(cls, vllm_config):
+        return None
+
+
+class _SchedulerSide:
+    """The scheduler half: protocol cores, control messages, what the workers must do."""
+
+    def __init__(self, c: KvwireConnector):
+        ex = c._extra
+        self.c = c
+        self.control = _Control(ex.get("control_listen", "127.0.0.1:0"), c._secret, c._transport, ex.get("data_listen", ""))
+        t = dict(transport="kvwire")
+
+        def opt(*names):
+            return {n: float(ex[n]) for n in names if n in ex}
+
+        self.d = DCore(c._policy, c._layers, **t, **opt("peer_timeout", "wait_for_p_timeout", "request_timeout", "drain_timeout")) if c._is_consumer else None
+        self.p = PCore(c._send_mode, c._layers, **t, **opt("peer_timeout", "request_timeout", "block_ids_timeout", "drain_timeout")) if c._is_producer else None
+        # D requests: vLLM id -> key and back; P likewise.
+        self.d_key: dict[str, int] = {}
+        self.d_req: dict[int, str] = {}
+        self.d_failed_early: dict[int, str] = {}  # failed before any reservation
+        self.d_delayed: set[str] = set()  # aborted D requests whose blocks wait for P
+        self.d_reported: set[str] = set()
+        self.d_promoted: set[int] = set()
+        self.p_key: dict[str, int] = {}
+        self.p_req: dict[int, str] = {}
+        self.p_info: dict[int, tuple] = {}  # key -> (peer id, tokens, blocks)
+        self.p_scheduled: set[int] = set()
+        self.p_done: set[int] = set()
+        self.p_delayed: set[str] = set()
+        self.p_transfers_pending = 0
+        self.peer_data: dict[int, str] = {}
+        # Worker-bound, drained into the next metadata.
+        self.out_recv: set[str] = set()
+        self.out_failed: dict[str, list] = {}
+        self.out_sending: set[str] = set()
+        self.out_transfers: list = []
+        self.timeline: list[str] = []
+        self.lock = threading.Lock()
+
+    # -- helpers --
+    def _params(self, request):
+        return getattr(request, "kv_transfer_params", None) or {}
+
+    def _run_actions(self, now):
+        for core, side in ((self.d, "d"), (self.p, "p")):
+            if core is None:
+                continue
+            if (t := core.poll_timeout()) is not None and t <= now:
+                core.handle_timeout(now)
+            for a in core.poll_actions():
+                getattr(self, f"_{side}_action")(a, now)
+            self.timeline.extend(core.poll_timeline())
+
+    def _send(self, core, peer, payload, now):
+        try:
+            self.control.send(peer, KIND_TO_D if core is self.p else KIND_TO_P, payload)
+        except kvwire.KvwireError as e:
+            logger.warning("kvwire: peer %s unreachable: %s", self.control.addr_of(peer), e)
+            core.peer_down(peer, now)
+
+    def _d_action(self, a, now):
+        kind = a[0]
+        if kind == "send":
+            self._send(self.d, a[1], a[2], now)
+        elif kind == "finished":
+            req = self.d_req.get(a[1])
+            if req is not None:
+                self.out_recv.add(req)
+        elif kind == "failed":
+            req = self.d_req.get(a[1])
+            if req is None:
+                return
+            if req in self.d_delayed:
+                pass  # aborted by vLLM already: its blocks are freed through the release path
+            elif a[2]:
+                self.out_failed[req] = list(a[2])
+            elif req not in self.d_delayed:
+                self.d_failed_early[a[1]] = req
+            logger.warning("kvwire: request %s failed on D: %s", req, a[3])
+        elif kind == "release":
+            req = self.d_req.get(a[1])
+            if req is not None and req in self.d_delayed:
+                self.d_delayed.discard(req)
+                self.out_sending.add(req)
+                self._forget_d(a[1])
+        # "may_reserve": polled in get_num_new_matched_tokens; "disconnect": nothing to tear
+        # down (data connections belong to the workers).
+
+    def _p_action(self, a, now):
+        kind = a[0]
+        if kind == "send":
+            self._send(self.p, a[1], a[2], now)
+        elif kind == "transfer":
+            _, key, peer, layer, src, dst = a
+            self.out_transfers.append((key, layer, src, dst, self.peer_data.get(peer, ""), "now"))
+            self.p_transfers_pending += 1
+        elif kind == "release":
+            req = self.p_req.get(a[1])
+            if req is not None and req in self.p_delayed:
+                self.p_delayed.discard(req)
+                self.out_sending.add(req)
+            self._forget_p(a[1])
+        elif kind == "failed":
+            logger.warning("kvwire: request %s failed on P: %s", self.p_req.get(a[1]), a[2])
+
+    def _forget_d(self, key):
+        req = self.d_req.pop(key, None)
+        if req is not None:
+            self.d_key.pop(req, None)
+
+    def _forget_p(self, key):
+        req = self.p_req.pop(key, None)
+        if req is not None and req not in self.p_delayed:
+            self.p_key.pop(req, None)
+        self.p_info.pop(key, None)
+        self.p_scheduled.discard(key)
+        self.p_done.discard(key)
+
+    def _poll(self):
+        now = _now()
+        for kind, control, data, payload in self.control.drain():
+            pid = self.control.peer_id(control)
+            if data:
+                self.peer_data[pid] = data
+            if kind in (KIND_TO_P, KIND_TO_D):
+                core = self.p if kind == KIND_TO_P else self.d
+                if core is None:
+                    self.control.bad_messages += 1
+                    continue
+                try:
+                    core.message(pid, payload, now)
+                except kvwire.ConnectorError as e:
+                    logger.warning("kvwire: message from %s refused: %s", control, e)
+            elif kind == KIND_XFER and self.p is not None:
+                try:
+                    key, layer, ok, nbytes = _XFER.unpack(payload)
+                except struct.error:
+                    self.control.bad_messages += 1
+                    continue
+                self.p_transfers_pending = max(0, self.p_transfers_pending - 1)
+                try:
+                    if ok:
+                        self.p.transfer_done(key, layer, nbytes, now)
+                    else:
+                        self.p.transfer_failed(key, layer, now)
+                except kvwire.ConnectorError as e:
+                    logger.debug("kvwire: transfer report refused: %s", e)
+        self._run_actions(now)
+
+    # -- vLLM hooks --
+    def get_num_new_matched_tokens(self, request, num_computed_tokens):
+        params = self._params(request)
+        if not params.get("do_remote_prefill") or self.d is None:
+            return 0, False
+        req = request.request_id
+        key = self.d_key.get(req)
+        tokens = request.num_prompt_tokens - num_computed_tokens
+        if key is None:
+            key = request_key(str(params.get("transfer_id", req)))
+            now = _now()
+            peer = self.control.peer_id(str(params["remote_control"]))
+            blocks = -(-request.num_prompt_tokens // self.c._block_size)
+            try:
+                self.d.arrived(key, peer, max(tokens, 1), blocks, now)
+            except kvwire.ConnectorError as e:
+                logger.warning("kvwire: request %s refused: %s", req, e)
+                return 0, False
+            self.d_key[req] = key
+            self.d_req[key] = req
+            self._run_actions(now)
+        if key in self.d_failed_early:
+            # Failed before any reservation: admit it so the failure takes vLLM's load-error path.
+            return tokens, True
+        if self.d.may_reserve(key):
+            return tokens, True
+        return None, False
+
+    def update_state_after_alloc(self, request, blocks, num_external_tokens):
+        req = request.request_id
+        params = self._params(request)
+        if params.get("do_remote_prefill") and self.d is not None and num_external_tokens > 0:
+            key = self.d_key.get(req)
+            if key is None:
+                return
+            ids = compat.block_ids_group0(blocks)
+            now = _now()
+            if self.d_failed_early.pop(key, None) is not None:
+                self.out_failed[req] = ids
+                self._forget_d(key)
+                return
+            try:
+                self.d.reserved(key, ids, now)
+            except kvwire.ConnectorError as e:
+                logger.warning("kvwire: reservation for %s refused: %s", req, e)
+                try:
+                    self.d.abort(key, now)
+                except kvwire.ConnectorError:
+                    pass
+                self.out_failed[req] = ids
+            self._run_actions(now)
+        elif params.get("do_remote_decode") and self.p is not None:
+            if req in self.p_key:
+                return
+            key = request_key(str(params.get("transfer_id", req)))
+            peer = self.control.peer_id(str(params["remote_control"]))
+            self.p_key[req] = key
+            self.p_req[key] = req
+            self.p_info[key] = (peer, request.num_prompt_tokens)
+
+    def _p_schedule(self, key, block_ids, now):
+        if key in self.p_scheduled:
+            return True
+        info = self.p_info.get(key)
+        need = -(-info[1] // self.c._block_size) if info else 0
+        if info is None or len(block_ids) < need:
+            return False
+        try:
+            self.p.scheduled(key, info[0], info[1], list(block_ids[:need]), now)
+            self.p_scheduled.add(key)
+        except kvwire.ConnectorError as e:
+            logger.warning("kvwire: P scheduling of %s refused: %s", self.p_req.get(key), e)
+            return False
+        return True
+
+    def build_connector_meta(self, scheduler_output):
+        now = _now()
+        self._poll()
+        prefilling = set()
+        if self.p is not None:
+            # Prefills that complete in this step: every layer becomes ready during it.
+            for new in scheduler_output.scheduled_new_reqs:
+                key = self.p_key.get(new.req_id)
+                if key is None:
+                    continue
+                ids = list(new.block_ids[0]) if new.block_ids else []
+                n = scheduler_output.num_scheduled_tokens.get(new.req_id, 0)
+                if self._p_schedule(key, ids, now) and new.num_computed_tokens + n >= self.p_info[key][1]:
+                    for layer in range(self.c._layers):
+                        self.p.layer_ready(key, layer, now)
+                    self.p.prefill_done(key, now)
+                    self.p_done.add(key)
+                    prefilling.add(key)
+        if self.d is not None:
+            for new in scheduler_output.scheduled_new_reqs:
+                if new.req_id in self.d_reported:
+                    self.d_reported.discard(new.req_id)
+                    key = self.d_key.get(new.req_id)
+                    if key is not None:
+                        try:
+                            self.d.promoted(key, now)
+                            self.d_promoted.add(key)
+                        except kvwire.ConnectorError:
+                            pass
+        self._run_actions(now)
+        # Transfers of prefills computed in this very step run during the forward (layerwise:
+        # right after each layer's attention) or after it (whole); the others at its start.
+        late = "layer" if self.c._send_mode == "layerwise" else "after"
+        self.out_transfers = [t[:5] + ((late if t[0] in prefilling else "now"),) for t in self.out_transfers]
+        meta = KvwireConnectorMetadata(
+            finished_recving=self.out_recv,
+            failed_recving=self.out_failed,
+            finished_sending=self.out_sending,
+            transfers=self.out_transfers,
+            scheduler_control=self.control.addr,
+        )
+        self.out_recv, self.out_failed, self.out_sending, self.out_transfers = set(), {}, set(), []
+        return meta
+
+    def update_connector_output(self, out):
+        now = _now()
+        for req in out.finished_recving or ():
+            key = self.d_key.get(req)
+            if key is None:
+                continue
+            try:
+                self.d.reported(key, now)
+                self.d_reported.add(req)
+            except kvwire.ConnectorError:
+                # A failed request reported through the load-error path: it is over.
+                self._forget_d(key)
+        self._run_actions(now)
+
+    def request_finished(self, request, block_ids):
+        req = request.request_id
+        now = _now()
+        key = self.d_key.get(req)
+        if key is not None and self.d is not None:
+            if key in self.d_promoted:  # a normal end: the blocks are the request's
+                self.d_promoted.discard(key)
+                try:
+                    self.d.abort(key, now)
+                except kvwire.ConnectorError:
+                    pass
+                self._forget_d(key)
+                return False, None
+            held = bool(self.d.reserved_blocks(key))
+            if held:
+                # Block ids went to P: the blocks stay until P confirms nothing is in flight
+                # (or P is declared down, or the drain deadline); then finished_sending frees.
+                self.d_delayed.add(req)
+            try:
+                self.d.abort(key, now)
+            except kvwire.ConnectorError:
+                pass
+            self._run_actions(now)
+            if held:
+                return True, None
+            self._forget_d(key)
+            return False, None
+        key = self.p_key.get(req)
+        if key is not None and self.p is not None and request.status == RequestStatus.FINISHED_ABORTED:
+            scheduled = key in self.p_scheduled
+            if scheduled:
+                self.p_delayed.add(req)  # transfers may be reading the blocks: wait for release
+            try:
+                self.p.abort(key, now)
+            except kvwire.ConnectorError:
+                pass
+            self._run_actions(now)
+            if scheduled:
+                return True, None
+            self._forget_p(key)
+            return False, None
+        if key is not None and self.p is not None:
+            if key not in self.p_scheduled and not self._p_schedule(key, block_ids, now):
+                self._forget_p(key)
+                return False, None
+            if key not in self.p_done:
+                for layer in range(self.c._layers):
+                    try:
+                        self.p.layer_ready(key, layer, now)
+                    except kvwire.ConnectorError:
+                        pass
+                try:
+                    self.p.prefill_done(key, now)
+                except kvwire.ConnectorError:
+                    pass
+                self.p_done.add(key)
+            self.p_delayed.add(req)
+            self._run_actions(now)
+            return True, {"transfer_id": request.kv_transfer_params.get("transfer_id")}
+        return False, None
+
+    def has_pending_work(self) -> bool:
+        return bool(self.p_delayed or self.out_sending or self.out_transfers or self.p_transfers_pending)
+
+    def close(self):
+        self.control.close()
+
+
+class _WorkerSide:
+    """The worker half: KV caches registered with a data engine; P writes into D."""
+
+    def __init__(self, c: KvwireConnector):
+        self.c = c
+        ex = c._extra
+        self.engine = kvwire.Engine(listen=ex.get("data_listen", "127.0.0.1:0"), secret=c._secret, transport=c._transport)
+        self.layers: list[str] = []
+        self.regions: dict[str, Any] = {}
+        self.shape: dict[str, tuple] = {}  # name -> (halves, num_blocks, block_bytes)
+        self.peers: dict[str, Any] = {}
+        self.inflight: list = []  # (batch, key, layer, nbytes, scheduler_control)
+        self.done_layers: set[str] = set()
+        self.recv: set[str] = set()
+        self.sending: set[str] = set()
+        self.load_errors: set[int] = set()
+        self.control = None
+
+    def register_kv_caches(self, kv_caches):
+        num_blocks = None
+        kc = self.c._kv_cache_config
+        if kc is not None:
+            num_blocks = kc.num_blocks
+        for name, t in kv_caches.items():
+            if str(t.device) != "cpu":
+                raise kvwire.UnsupportedError(f"KV cache {name} is on {t.device}: only CPU KV caches are supported")
+            n = num_blocks or (t.shape[1] if t.shape[0] == 2 else t.shape[0])
+            if t.shape[0] == 2 and t.dim() > 1 and t.shape[1] == n:
+                halves, block_bytes = 2, t[0][0].numel() * t.element_size()
+            elif t.shape[0] == n:
+                halves, block_bytes = 1, t[0].numel() * t.element_size()
+            else:
+                raise kvwire.InvalidArgumentError(f"KV cache {name}: unsupported shape {tuple(t.shape)}")
+            self.regions[name] = kvwire.register_tensor(self.engine, t, "rw")
+            self.shape[name] = (halves, n, block_bytes)
+            self.layers.append(name)
+
+    def _peer(self, addr):
+        p = self.peers.get(addr)
+        if p is None or not p.alive:
+            p = self.engine.connect(addr)
+            self.peers[addr] = p
+        return p
+
+    def _report(self, scheduler_control, key, layer, ok, nbytes):
+        if self.control is None:
+            self.control = _Control("127.0.0.1:0", self.c._secret, self.c._transport)
+        try:
+            self.control.send(scheduler_control, KIND_XFER, _XFER.pack(key, layer, 1 if ok else 0, nbytes))
+        except kvwire.KvwireError as e:
+            logger.warning("kvwire: cannot report transfer to the scheduler: %s", e)
+
+    def _submit(self, meta, tr):
+        key, layer, src, dst, data_addr, _ = tr
+        try:
+            name = self.layers[layer]
+            halves, n, bb = self.shape[name]
+            peer = self._peer(data_addr)
+            remote = peer.regions()
+            if len(remote) != len(self.layers):
+                raise kvwire.InvalidArgumentError(f"D offers {len(remote)} KV regions, P has {len(self.layers)} layers")
+            r = remote[layer]
+            rn = r.len // (halves * bb)
+            ops = []
+            for s, d in zip(src, dst):
+                for h in range(halves):
+                    ops.append((self.regions[name], (h * n + s) * bb, r, (h * rn + d) * bb, bb))
+            batch = self.engine.write(peer, ops)
+            self.inflight.append((batch, key, layer, len(ops) * bb, meta.scheduler_control))
+        except kvwire.KvwireError as e:
+            logger.warning("kvwire: transfer of layer %d failed: %s", layer, e)
+            self._report(meta.scheduler_control, key, layer, False, 0)
+
+    def start_load_kv(self, meta):
+        self.recv |= meta.finished_recving
+        for req, blocks in meta.failed_recving.items():
+            self.recv.add(req)
+            self.load_errors.update(blocks)
+        self.sending |= meta.finished_sending
+        for tr in meta.transfers:
+            if tr[5] == "now":
+                self._submit(meta, tr)
+
+    def save_kv_layer(self, meta, layer_name):
+        try:
+            layer = self.layers.index(layer_name)
+        except ValueError:
+            return
+        for tr in meta.transfers:
+            if tr[5] == "layer" and tr[1] == layer:
+                self._submit(meta, tr)
+
+    def _reap(self, block: bool):
+        keep = []
+        for item in self.inflight:
+            batch, key, layer, nbytes, sc = item
+            try:
+                st = batch.wait() if block else batch.poll()
+            except kvwire.KvwireError as e:
+                logger.warning("kvwire: transfer of layer %d failed: %s", layer, e)
+                self._report(sc, key, layer, False, 0)
+                continue
+            if st is None:
+                keep.append(item)
+            else:
+                self._report(sc, key, layer, True, nbytes)
+        self.inflight = keep
+
+    def wait_for_save(self, meta):
+        # Whole-mode transfers of prefills computed in this step run after the forward.
+        for tr in meta.transfers:
+            if tr[5] == "after":
+                self._submit(meta, tr)
+        self._reap(block=True)
+
+    def get_finished(self):
+        self._reap(block=False)
+        recv, self.recv = self.recv, set()
+        sending, self.sending = self.sending, set()
+        return (sending or None), (recv or None)
+
+    def take_load_errors(self):
+        e, self.load_errors = self.load_errors, set()
+        return e
+
+    def close(self):
+        self.engine.shutdown()
+        if self.control is not None:
+            self.control.close()

@@ -1,0 +1,135 @@
+//! Python exceptions: one class per kind of engine error, all under `kvwire.KvwireError`.
+
+use kvwire_transfer::Error;
+use pyo3::create_exception;
+use pyo3::exceptions::PyException;
+use pyo3::prelude::*;
+
+create_exception!(
+    kvwire,
+    KvwireError,
+    PyException,
+    "Base class of every kvwire error."
+);
+create_exception!(
+    kvwire,
+    IoError,
+    KvwireError,
+    "An operating-system I/O error (socket, mmap...)."
+);
+create_exception!(
+    kvwire,
+    ProtocolError,
+    KvwireError,
+    "A peer broke the wire protocol (malformed frame...)."
+);
+create_exception!(
+    kvwire,
+    VersionMismatchError,
+    KvwireError,
+    "The peers speak different protocol versions."
+);
+create_exception!(
+    kvwire,
+    AuthError,
+    KvwireError,
+    "The shared-secret proof failed."
+);
+create_exception!(
+    kvwire,
+    OutOfBoundsError,
+    KvwireError,
+    "An access outside a region's bounds."
+);
+create_exception!(kvwire, UnknownRegionError, KvwireError, "No such region (never registered, not offered, or an address outside every registered buffer).");
+create_exception!(
+    kvwire,
+    StaleRegionError,
+    KvwireError,
+    "The region was unregistered."
+);
+create_exception!(
+    kvwire,
+    AccessDeniedError,
+    KvwireError,
+    "The region does not allow this access."
+);
+create_exception!(
+    kvwire,
+    PeerDeadError,
+    KvwireError,
+    "The peer died or its connection broke."
+);
+create_exception!(kvwire, TimeoutError, KvwireError, "A deadline passed.");
+create_exception!(
+    kvwire,
+    ShutdownError,
+    KvwireError,
+    "The engine was shut down."
+);
+create_exception!(
+    kvwire,
+    InvalidArgumentError,
+    KvwireError,
+    "An invalid argument."
+);
+create_exception!(kvwire, UnsupportedError, KvwireError, "Not available here.");
+create_exception!(
+    kvwire,
+    ConnectorError,
+    KvwireError,
+    "The P/D connector core refused an event."
+);
+
+/// Converts an engine error into the matching Python exception.
+pub fn to_py(e: Error) -> PyErr {
+    let msg = e.to_string();
+    match e {
+        Error::Io(_) => IoError::new_err(msg),
+        Error::Protocol(_) => ProtocolError::new_err(msg),
+        Error::VersionMismatch { .. } => VersionMismatchError::new_err(msg),
+        Error::AuthFailed => AuthError::new_err(msg),
+        Error::OutOfBounds { .. } => OutOfBoundsError::new_err(msg),
+        Error::UnknownRegion(_) => UnknownRegionError::new_err(msg),
+        Error::StaleRegion(_) => StaleRegionError::new_err(msg),
+        Error::AccessDenied(_) => AccessDeniedError::new_err(msg),
+        Error::PeerDead(_) => PeerDeadError::new_err(msg),
+        Error::Timeout => TimeoutError::new_err(msg),
+        Error::Shutdown => ShutdownError::new_err(msg),
+        Error::InvalidArgument(_) => InvalidArgumentError::new_err(msg),
+        Error::Unsupported(_) => UnsupportedError::new_err(msg),
+        _ => KvwireError::new_err(msg),
+    }
+}
+
+/// `InvalidArgumentError` with a message.
+pub fn invalid(msg: impl Into<String>) -> PyErr {
+    InvalidArgumentError::new_err(msg.into())
+}
+
+/// Adds the exception classes to the module.
+pub fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
+    let py = m.py();
+    m.add("KvwireError", py.get_type::<KvwireError>())?;
+    m.add("IoError", py.get_type::<IoError>())?;
+    m.add("ProtocolError", py.get_type::<ProtocolError>())?;
+    m.add(
+        "VersionMismatchError",
+        py.get_type::<VersionMismatchError>(),
+    )?;
+    m.add("AuthError", py.get_type::<AuthError>())?;
+    m.add("OutOfBoundsError", py.get_type::<OutOfBoundsError>())?;
+    m.add("UnknownRegionError", py.get_type::<UnknownRegionError>())?;
+    m.add("StaleRegionError", py.get_type::<StaleRegionError>())?;
+    m.add("AccessDeniedError", py.get_type::<AccessDeniedError>())?;
+    m.add("PeerDeadError", py.get_type::<PeerDeadError>())?;
+    m.add("TimeoutError", py.get_type::<TimeoutError>())?;
+    m.add("ShutdownError", py.get_type::<ShutdownError>())?;
+    m.add(
+        "InvalidArgumentError",
+        py.get_type::<InvalidArgumentError>(),
+    )?;
+    m.add("UnsupportedError", py.get_type::<UnsupportedError>())?;
+    m.add("ConnectorError", py.get_type::<ConnectorError>())?;
+    Ok(())
+}

@@ -1,0 +1,33 @@
+//! `kvwire._kvwire`: the native half of the `kvwire` Python package.
+//!
+//! * [`engine`]: `kvwire.Engine` over the transfer engine.
+//! * [`mooncake`]: `kvwire.mooncake.TransferEngine`, a drop-in for `mooncake.engine.TransferEngine`.
+//! * [`core`]: the P/D connector core (decode and prefill state machines) for the vLLM connector.
+//!
+//! Errors become exceptions of the `kvwire.KvwireError` hierarchy ([`errors`]); blocking calls
+//! release the GIL.
+
+pub mod core;
+pub mod engine;
+pub mod errors;
+pub mod mooncake;
+pub mod rawmem;
+
+use pyo3::prelude::*;
+
+/// The extension module.
+#[pymodule]
+fn _kvwire(m: &Bound<'_, PyModule>) -> PyResult<()> {
+    errors::register(m)?;
+    m.add_class::<engine::PyEngine>()?;
+    m.add_class::<engine::PyRegion>()?;
+    m.add_class::<engine::PyRemoteRegion>()?;
+    m.add_class::<engine::PyPeer>()?;
+    m.add_class::<engine::PyBatch>()?;
+    m.add_class::<engine::PyBatchStats>()?;
+    m.add_class::<engine::PyNotification>()?;
+    m.add_class::<mooncake::TransferEngine>()?;
+    core::register(m)?;
+    m.add("__version__", env!("CARGO_PKG_VERSION"))?;
+    Ok(())
+}

@@ -1,0 +1,31 @@
+#!/usr/bin/env bash
+# Python package and vLLM connector tests:   bash tests/python/run.sh
+#
+# 1. tests/python/setup.sh: maturin, one venv per vLLM version (0.33.0 and 0.18.1, cached under
+#    $KVWIRE_PY_CACHE, default ~/.cache/kvwire-py), the kvwire wheel installed into each.
+# 2. pytest in every venv: the engine and the mooncake drop-in across two processes, and the
+#    vLLM connector in vLLM's real v1 Scheduler on CPU.
+#
+# Env: KVWIRE_VLLM_VERSIONS (default "0.33.0 0.18.1"), KVWIRE_SKIP_VLLM=1 (engine and drop-in
+# tests only, in a plain venv; the vLLM tests then skip, loudly).
+set -euo pipefail
+cd "$(dirname "$0")"
+HERE=$(pwd)
+CACHE=${KVWIRE_PY_CACHE:-$HOME/.cache/kvwire-py}
+bash "$HERE/setup.sh"
+rc=0
+while read -r py; do
+  [ -n "$py" ] || continue
+  echo "==== pytest with $py ($("$py" -c 'import importlib.metadata as m
+try: print("vllm", m.version("vllm"))
+except m.PackageNotFoundError: print("no vllm")'))"
+  if [ "${KVWIRE_SKIP_VLLM:-0}" = 1 ]; then
+    echo "SKIPPED: vLLM connector tests (KVWIRE_SKIP_VLLM=1)" >&2
+    req_torch=0
+  else
+    req_torch=1
+  fi
+  KVWIRE_REQUIRE_TORCH=$req_torch "$py" -m pytest -q -p no:cacheprovider \
+    test_engine.py test_mooncake_dropin.py test_vllm_connector.py || rc=1
+done <"$CACHE/venvs.txt"
+exit $rc

@@ -1,0 +1,259 @@
+"""KvwireConnector inside vLLM's real v1 Scheduler (CPU), on the installed vLLM version:
+loaded by vLLM's factory through kv_connector_module_path in both roles; lazy reservation holds
+no D block until P started; WAITING_FOR_REMOTE_KVS -> finished_recving -> running with every
+KV byte checked; aborts and failures release everything."""
+
+import os
+
+import pytest
+
+vllm = pytest.importorskip("vllm", reason="vLLM not installed in this venv (run tests/python/setup.sh)")
+
+import torch  # noqa: E402
+
+import kvwire  # noqa: E402
+from kvwire.vllm import KvwireConnector, KvwireConnectorMetadata  # noqa: E402
+from vllm_harness import LAYERS, RequestStatus, Side, free_port, kv_pattern, make_request, model_dir, p_fill  # noqa: E402
+
+MAX_STEPS = 60  # every loop below is bounded
+
+
+@pytest.fixture(scope="module")
+def mdir():
+    return model_dir()
+
+
+@pytest.fixture
+def pair(mdir):
+    sides = []
+
+    def make(d_extra=None, p_extra=None, **kw):
+        # TCP: over shm, control notifications between the two schedulers were seen lost
+        # (the batch reported complete, the notification never arrived): an open engine issue.
+        base = {"transport": os.environ.get("KVWIRE_TEST_TRANSPORT", "tcp")}
+        d = Side("kv_consumer", {**base, "data_listen": f"127.0.0.1:{free_port()}", **(d_extra or {})}, mdir, **kw)
+        p = Side("kv_producer", {**base, "data_listen": f"127.0.0.1:{free_port()}", **(p_extra or {})}, mdir)
+        sides.extend([d, p])
+        return d, p
+
+    yield make
+    for s in sides:
+        s.close()
+
+
+def d_request(rid, p, tokens=40):
+    return make_request(f"d/{rid}", tokens, {"do_remote_prefill": True, "transfer_id": rid,
+                                             "remote_control": p.conn.control_addr})
+
+
+def p_request(rid, d, tokens=40):
+    return make_request(f"p/{rid}", tokens, {"do_remote_decode": True, "transfer_id": rid,
+                                             "remote_control": d.conn.control_addr}, max_tokens=1)
+
+
+def assert_no_leak(side):
+    assert side.free_blocks() == side.num_blocks - 1, "blocks leaked"
+    assert not side.sched.requests, "requests left in the scheduler"
+
+
+def run_until(cond, *steps):
+    for _ in range(MAX_STEPS):
+        if cond():
+            return True
+        for s in steps:
+            s()
+    return cond()
+
+
+def check_kv(d, rid, block_ids):
+    for li, name in enumerate(LAYERS):
+        for i, b in enumerate(block_ids):
+            assert torch.equal(d.kv[name][:, b], kv_pattern(rid, li, i)), (name, i, b)
+
+
+def test_factory_loads_both_roles(pair):
+    d, p = pair()
+    for side in (d, p):
+        assert type(side.conn) is KvwireConnector  # built by vLLM's Scheduler via the factory
+        assert type(side.worker) is KvwireConnector
+        assert side.vc.kv_transfer_config.kv_connector_module_path == "kvwire.vllm"
+    so = d.sched.schedule()
+    assert isinstance(so.kv_connector_metadata, KvwireConnectorMetadata)
+
+
+@pytest.mark.parametrize("policy,send_mode", [("lazy", "whole"), ("lazy", "layerwise"), ("jit", "whole")])
+def test_lazy_end_to_end(pair, policy, send_mode):
+    d, p = pair({"policy": policy}, {"send_mode": send_mode})
+    full = d.free_blocks()
+    dreq = d_request("r1", p)
+    d.sched.add_request(dreq)
+    for _ in range(5):  # P has not started: D is asked every step and holds nothing
+        d.step()
+        assert dreq.status == RequestStatus.WAITING
+        assert d.free_blocks() == full
+    preq = p_request("r1", d)
+    p.sched.add_request(preq)
+    reserved = []
+
+    def d_step():
+        d.step()
+        if dreq.status == RequestStatus.WAITING_FOR_REMOTE_KVS and not reserved:
+            reserved.extend(d.sched.kv_cache_manager.get_block_ids("d/r1")[0])
+            assert d.free_blocks() == full - 3
+
+    p_held = []
+
+    def p_step():
+        p.step(p_fill)
+        if preq.is_finished() and not p_held:
+            # P's prefill is done and the request finished, but its blocks stay until sent.
+            p_held.append(p.free_blocks())
+            assert "p/r1" in p.conn._sched.p_delayed
+
+    assert run_until(lambda: dreq.status == RequestStatus.RUNNING, p_step, d_step)
+    assert p_held == [full - 3]
+    assert len(reserved) == 3  # 40 tokens in 16-token blocks, reserved only after P started
+    check_kv(d, "r1", reserved)  # every byte of both layers, K and V
+    assert run_until(lambda: dreq.is_finished() and preq.is_finished() and p.free_blocks() == full,
+                     lambda: p.step(p_fill), d.step)
+    assert_no_leak(d)
+    assert_no_leak(p)
+    rec = d.conn._sched.timeline[-1]
+    assert '"outcome":"finished"' in rec and f'"policy":"{policy}"' in rec
+
+
+def test_eager_layerwise_sends_during_the_forward(pair):
+    d, p = pair({"policy": "eager"}, {"send_mode": "layerwise"})
+    full = d.free_blocks()
+    dreq = d_request("r2", p, tokens=50)
+    d.sched.add_request(dreq)
+    d.step()
+    assert dreq.status == RequestStatus.WAITING_FOR_REMOTE_KVS  # eager: reserved at arrival
+    assert d.free_blocks() == full - 4
+    reserved = list(d.sched.kv_cache_manager.get_block_ids("d/r2")[0])
+    d.step()
+    preq = p_request("r2", d, tokens=50)
+    p.sched.add_request(preq)
+    phases = []
+
+    def p_step():
+        so = p.step(p_fill)
+        phases.extend(t[5] for t in so.kv_connector_metadata.transfers)
+
+    assert run_until(lambda: dreq.status == RequestStatus.RUNNING, p_step, d.step)
+    # D's block ids reached P before its forward: each layer went right after its attention.
+    assert phases == ["layer"] * len(LAYERS)
+    check_kv(d, "r2", reserved)
+    assert run_until(lambda: dreq.is_finished() and p.free_blocks() == full, p_step, d.step)
+    assert_no_leak(d)
+    assert_no_leak(p)
+
+
+def test_abort_while_waiting_frees_everything(pair):
+    d, p = pair({"policy": "lazy"})
+    dreq = d_request("r3", p)
+    d.sched.add_request(dreq)
+    for _ in range(3):
+        d.step()
+    d.sched.finish_requests("d/r3", RequestStatus.FINISHED_ABORTED)
+    for _ in range(3):
+        d.step()
+        p.step()
+    assert_no_leak(d)
+    assert d.conn._sched.d.live_requests == 0
+
+
+def test_abort_after_reservation_waits_for_p(pair):
+    """Eager D sent its block ids to P, then aborts: the blocks stay until P confirms that no
+    write is in flight, then they are freed (finished_sending)."""
+    d, p = pair({"policy": "eager"})
+    dreq = d_request("r4", p)
+    d.sched.add_request(dreq)
+    d.step()
+    assert dreq.status == RequestStatus.WAITING_FOR_REMOTE_KVS
+    full = d.num_blocks - 1
+    assert d.free_blocks() == full - 3
+    d.sched.finish_requests("d/r4", RequestStatus.FINISHED_ABORTED)
+    assert d.free_blocks() == full - 3  # held: P has the block ids
+    assert "d/r4" in d.conn._sched.d_delayed
+    assert run_until(lambda: not d.sched.requests, d.step, p.step)
+    assert_no_leak(d)
+    assert d.conn._sched.d.live_requests == 0
+
+
+@pytest.mark.parametrize("policy", ["lazy", "eager"])
+def test_failed_transfer_takes_the_load_error_path(pair, policy):
+    """D's data engine is gone when P writes: the transfer fails, P aborts, D reports the
+    request's blocks through get_block_ids_with_load_errors and finished_recving; with
+    kv_load_failure_policy=fail the request ends with an error, and nothing leaks."""
+    d, p = pair({"policy": policy}, {}, load_failure_policy="fail")
+    dreq = d_request("r5", p)
+    d.sched.add_request(dreq)
+    d.step()
+    d.worker._worker.engine.shutdown()  # D's KV cache can no longer be written
+    preq = p_request("r5", d)
+    p.sched.add_request(preq)
+    reserved = []
+
+    def d_step():
+        d.step()
+        if dreq.status == RequestStatus.WAITING_FOR_REMOTE_KVS and not reserved:
+            reserved.extend(d.sched.kv_cache_manager.get_block_ids("d/r5")[0])
+
+    assert run_until(lambda: dreq.is_finished(), lambda: p.step(p_fill), d_step)
+    assert dreq.status != RequestStatus.RUNNING
+    assert set(reserved) and set(reserved) <= d.invalid  # the load-error path named them
+    assert run_until(lambda: not p.sched.requests, lambda: p.step(p_fill), d.step)
+    assert_no_leak(d)
+    assert_no_leak(p)
+    assert any('"outcome":"failed"' in r for r in p.conn._sched.timeline)
+    assert any('"outcome":"failed"' in r for r in d.conn._sched.timeline)
+
+
+def test_p_unreachable_fails_the_request(pair):
+    """P's control address does not answer: D fails the request through the load-error path
+    instead of waiting forever (lazy: it held no block before)."""
+    d, p = pair({"policy": "lazy"})
+    port = free_port()
+    dreq = make_request("d/r6", 40, {"do_remote_prefill": True, "transfer_id": "r6",
+                                     "remote_control": f"127.0.0.1:{port}"})
+    d.sched.add_request(dreq)
+    assert run_until(lambda: dreq.is_finished(), d.step)
+    assert dreq.status != RequestStatus.FINISHED_LENGTH_CAPPED  # it never ran
+    assert d.invalid  # reported through the load-error path
+    assert_no_leak(d)
+
+
+def test_envelope_rejects_garbage():
+    from kvwire.vllm.connector import decode_envelope, encode_envelope
+
+    tag = encode_envelope(1, "127.0.0.1:1", "127.0.0.1:2", b"xyz")
+    assert decode_envelope(tag) == (1, "127.0.0.1:1", "127.0.0.1:2", b"xyz")
+    for bad in [b"", b"KVW1", b"XXXX\x01\x00\x00", tag[:9], b"KVW1\x01\xff\xff"]:
+        with pytest.raises(ValueError):
+            decode_envelope(bad)
+    assert issubclass(kvwire.ConnectorError, kvwire.KvwireError)
+
+
+def test_p_dies_while_d_waits(pair):
+    """P's scheduler goes away after D announced the request (lazy: D holds nothing). D's next
+    heartbeat to P fails, P is declared down, and the request ends through the load-error path
+    with nothing leaked, instead of waiting for P forever."""
+    import time
+
+    d, p = pair({"policy": "lazy"})
+    dreq = d_request("r7", p)
+    d.sched.add_request(dreq)
+    for _ in range(3):
+        d.step()
+        p.step()
+    assert dreq.status == RequestStatus.WAITING
+    p.conn.shutdown()  # P's control engine is gone
+    for _ in range(500):  # bounded: heartbeats go out every 0.5 s
+        if dreq.is_finished():
+            break
+        d.step()
+        time.sleep(0.01)
+    assert dreq.is_finished()
+    assert dreq.status != RequestStatus.FINISHED_LENGTH_CAPPED
+    assert_no_leak(d)
