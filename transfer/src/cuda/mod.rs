@@ -1,0 +1,573 @@
+//! CUDA device memory as a layer-stream source, through `cudarc`'s driver API loaded at run
+//! time (`dynamic-loading`: no toolkit to build, no link-time dependency on `libcuda`).
+//!
+//! Every entry point first checks that `libcuda` can be loaded ([`driver_present`], a cached
+//! `is_culib_present()`), so a machine without a driver gets [`CudaError::NoDriver`] instead
+//! of cudarc's panic.
+//!
+//! - [`EventReadiness`]: a layer is ready when a `CUevent` fires (raw handle from PyTorch's
+//!   `torch.cuda.Event.cuda_event`, or recorded here on a foreign raw `CUstream`). Host-side
+//!   waits happen on an [`EventWaiter`] thread blocked in `cuEventSynchronize`.
+//! - [`CudaStager`]: stages device memory through a pool of pinned host buffers
+//!   (`cuMemHostAlloc` with flags 0: cached, not write-combined, so the send path reads them at
+//!   full speed), registered with the engine. Per chunk: `cuStreamWaitEvent(side, layer
+//!   event)` — the copy is ordered after the layer on the device, the host never waits for
+//!   the layer itself — then `cuMemcpyDtoHAsync` of each extent on a side stream, then an event
+//!   the waiter thread synchronizes before the chunk is written. With two or more buffers, the
+//!   copy of one chunk overlaps the send of the previous one.
+//!
+//! # GPUDirect RDMA (hook)
+//!
+//! tcp and shm always stage. With an RDMA transport and a GPUDirect-capable NIC the device
+//! memory itself can be the source: such a transport implements [`DeviceRegistrar`] (e.g.
+//! `ibv_reg_dmabuf_mr` on the fd from `cuMemGetHandleForAddressRange`, or `ibv_reg_mr` on the
+//! device pointer with nvidia-peermem), and the layout then names the returned region as
+//! [`SrcSpace::Region`]: the stream posts straight from HBM,
+//! with [`EventReadiness`] as the layer's readiness and no stager.
+//! [`gpudirect_rdma_supported`] says whether the device claims support.
+//!
+//! All `unsafe` for CUDA lives in this module.
+
+use std::sync::{Arc, OnceLock};
+
+use cudarc::driver::{result, sys, CudaContext, DriverError};
+use parking_lot::Mutex;
+
+use crate::layer::{
+    Lease, Readiness, ReadySignal, SrcSpace, StageCopy, StageDone, Stager, StagingBuffer,
+    StagingPool,
+};
+use crate::{Access, Engine, Error, RegionHandle};
+
+/// What can go wrong with CUDA memory.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum CudaError {
+    /// `libcuda` cannot be loaded on this machine.
+    #[error("no CUDA driver (libcuda) on this machine")]
+    NoDriver,
+    /// The driver loaded but reports no device with this ordinal.
+    #[error("no CUDA device {0}")]
+    NoDevice(usize),
+    /// A driver call failed.
+    #[error("CUDA driver: {0}")]
+    Driver(String),
+    /// Bad argument (unknown device memory id, copy out of bounds...).
+    #[error("invalid argument: {0}")]
+    InvalidArgument(String),
+    /// Registering staging memory with the engine failed.
+    #[error("engine: {0}")]
+    Engine(#[from] Error),
+}
+
+impl From<DriverError> for CudaError {
+    fn from(e: DriverError) -> Self {
+        CudaError::Driver(format!("{e:?}"))
+    }
+}
+
+/// Whether `libcuda` can be loaded (checked once, then cached). Gate for every driver call.
+pub fn driver_present() -> bool {
+    static PRESENT: OnceLock<bool> = OnceLock::new();
+    // SAFETY: is_culib_present only tries to dlopen the library names and drops the handles.
+    *PRESENT.get_or_init(|| unsafe { sys::is_culib_present() })
+}
+
+/// Number of CUDA devices (`cuInit` + `cuDeviceGetCount`).
+pub fn device_count() -> Result<usize, CudaError> {
+    if !driver_present() {
+        return Err(CudaError::NoDriver);
+    }
+    result::init()?;
+    Ok(result::device::get_count()?.max(0) as usize)
+}
+
+/// The primary context of device `ordinal` (the one PyTorch uses), after checking the driver
+/// and the device exist.
+pub fn context(ordinal: usize) -> Result<Arc<CudaContext>, CudaError> {
+    if device_count()? <= ordinal {
+        return Err(CudaError::NoDevice(ordinal));
+    }
+    Ok(CudaContext::new(ordinal)?)
+}
+
+/// Whether the device reports GPUDirect RDMA support (`CU_DEVICE_ATTRIBUTE_GPU_DIRECT_RDMA_SUPPORTED`).
+pub fn gpudirect_rdma_supported(ctx: &CudaContext) -> Result<bool, CudaError> {
+    Ok(ctx.attribute(sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_GPU_DIRECT_RDMA_SUPPORTED)? != 0)
+}
+
+/// The GPUDirect seam: a transport that can register device memory with its NIC returns an
+/// engine region for it, so layer streams send from device memory with no staging. Not
+/// implemented by tcp or shm (they always stage); the RDMA transport is where it belongs.
+pub trait DeviceRegistrar {
+    /// Registers `len` bytes of device memory at `dptr` as an engine region.
+    ///
+    /// # Safety
+    /// `dptr..dptr+len` must be device memory that stays allocated until the region is
+    /// unregistered.
+    unsafe fn register_device(
+        &self,
+        dptr: u64,
+        len: u64,
+        access: Access,
+    ) -> Result<RegionHandle, Error>;
+}
+
+fn create_blocking_event() -> Result<sys::CUevent, CudaError> {
+    let mut ev: sys::CUevent = std::ptr::null_mut();
+    let flags = sys::CUevent_flags::CU_EVENT_BLOCKING_SYNC as u32
+        | sys::CUevent_flags::CU_EVENT_DISABLE_TIMING as u32;
+    // SAFETY: cuEventCreate writes one handle into `ev`, a valid out-pointer; the caller has
+    // bound a context to this thread.
+    unsafe { sys::cuEventCreate(&mut ev, flags).result()? };
+    Ok(ev)
+}
+
+type WaitJob = (u64, Box<dyn FnOnce(Result<(), String>) + Send>);
+
+/// A thread that waits for CUDA events (`cuEventSynchronize`, blocking) in the order they
+/// are handed to it and runs a callback for each. Exits when the last handle is dropped.
+pub struct EventWaiter {
+    tx: Mutex<Option<crossbeam_channel::Sender<WaitJob>>>,
+}
+
+impl std::fmt::Debug for EventWaiter {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("EventWaiter")
+    }
+}
+
+impl EventWaiter {
+    /// Starts the waiter thread with `ctx` bound.
+    pub fn new(ctx: Arc<CudaContext>) -> Result<Arc<Self>, CudaError> {
+        let (tx, rx) = crossbeam_channel::unbounded::<WaitJob>();
+        std::thread::Builder::new()
+            .name("kvwire-cuda-wait".into())
+            .spawn(move || {
+                let bound = ctx.bind_to_thread().map_err(|e| format!("{e:?}"));
+                for (ev, then) in rx.iter() {
+                    let r = match &bound {
+                        Err(e) => Err(e.clone()),
+                        // SAFETY: whoever queued the event keeps it alive until `then` runs
+                        // (EventReadiness moves itself into the callback; the stager
+                        // destroys its own event inside the callback).
+                        Ok(()) => unsafe { sys::cuEventSynchronize(ev as usize as sys::CUevent) }
+                            .result()
+                            .map_err(|e| format!("cuEventSynchronize: {e:?}")),
+                    };
+                    then(r);
+                }
+            })
+            .map_err(|e| CudaError::Engine(Error::Io(e)))?;
+        Ok(Arc::new(EventWaiter {
+            tx: Mutex::new(Some(tx)),
+        }))
+    }
+
+    /// Waits for `event` on the waiter thread, then calls `then`. The event must stay valid
+    /// until `then` runs.
+    fn push(&self, event: u64, then: Box<dyn FnOnce(Result<(), String>) + Send>) {
+        let g = self.tx.lock();
+        match g.as_ref() {
+            Some(tx) => {
+                if let Err(crossbeam_channel::SendError((_, then))) = tx.send((event, then)) {
+                    then(Err("CUDA event waiter is gone".into()));
+                }
+            }
+            None => then(Err("CUDA event waiter is gone".into())),
+        }
+    }
+}
+
+/// A layer is ready when a CUDA event fires.
+pub struct EventReadiness {
+    event: u64,
+    owned: bool,
+    ctx: Arc<CudaContext>,
+    waiter: Arc<EventWaiter>,
+}
+
+// SAFETY: a CUevent handle is an opaque driver object usable from any thread that has its
+// context bound (we bind before every call); the struct holds no thread-affine state.
+unsafe impl Send for EventReadiness {}
+
+impl std::fmt::Debug for EventReadiness {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("EventReadiness")
+            .field("event", &format_args!("{:#x}", self.event))
+            .field("owned", &self.owned)
+            .finish()
+    }
+}
+
+impl EventReadiness {
+    /// An event owned elsewhere (e.g. `torch.cuda.Event().cuda_event`).
+    ///
+    /// # Safety
+    /// `event` must be a valid `CUevent` of `ctx`'s context, already recorded (or recorded
+    /// before the stream needs it), and must stay valid until the layer completes.
+    pub unsafe fn borrowed(ctx: Arc<CudaContext>, waiter: Arc<EventWaiter>, event: u64) -> Self {
+        EventReadiness {
+            event,
+            owned: false,
+            ctx,
+            waiter,
+        }
+    }
+
+    /// Records a new event on a stream owned elsewhere (e.g. PyTorch's current stream, raw
+    /// `CUstream` as an integer); the event is destroyed when the layer is done.
+    ///
+    /// # Safety
+    /// `stream` must be a valid `CUstream` of `ctx`'s context (0 = the legacy default stream).
+    pub unsafe fn record_on(
+        ctx: Arc<CudaContext>,
+        waiter: Arc<EventWaiter>,
+        stream: u64,
+    ) -> Result<Self, CudaError> {
+        ctx.bind_to_thread()?;
+        let ev = create_blocking_event()?;
+        // SAFETY: `ev` was just created in this context; the caller guarantees `stream`.
+        if let Err(e) = unsafe { result::event::record(ev, stream as usize as sys::CUstream) } {
+            // SAFETY: `ev` is ours and unused.
+            let _ = unsafe { result::event::destroy(ev) };
+            return Err(e.into());
+        }
+        Ok(EventReadiness {
+            event: ev as usize as u64,
+            owned: true,
+            ctx,
+            waiter,
+        })
+    }
+}
+
+impl Drop for EventReadiness {
+    fn drop(&mut self) {
+        if self.owned && self.ctx.bind_to_thread().is_ok() {
+            // SAFETY: we created the event; everything that used it (waits, stream waits) was
+            // enqueued before this drop, and CUDA defers the release of an event with pending
+            // work until that work completes.
+            let _ = unsafe { result::event::destroy(self.event as usize as sys::CUevent) };
+        }
+    }
+}
+
+impl Readiness for EventReadiness {
+    fn notify(self: Box<Self>, signal: ReadySignal) {
+        let waiter = self.waiter.clone();
+        let ev = self.event;
+        waiter.push(
+            ev,
+            Box::new(move |r| {
+                drop(self); // the event outlives the wait
+                signal.fire(r);
+            }),
+        );
+    }
+
+    fn cuda_event(&self) -> Option<u64> {
+        Some(self.event)
+    }
+}
+
+struct SideStream(sys::CUstream);
+// SAFETY: a CUstream handle may be used from any thread with its context bound (done before
+// each use); the driver serializes work submitted to one stream.
+unsafe impl Send for SideStream {}
+// SAFETY: as above; we only pass the handle by value to driver calls.
+unsafe impl Sync for SideStream {}
+
+struct PinnedPtr(usize);
+// SAFETY: the address of pinned host memory, freed once by the pool's release closure.
+unsafe impl Send for PinnedPtr {}
+
+/// Stages CUDA device memory through pinned host buffers (see the module docs).
+pub struct CudaStager {
+    ctx: Arc<CudaContext>,
+    side: SideStream,
+    pool: Arc<StagingPool>,
+    waiter: Arc<EventWaiter>,
+    /// Device memory sources: (device pointer, length), indexed by `SrcSpace::Device` id.
+    devices: Mutex<Vec<(u64, u64)>>,
+}
+
+impl std::fmt::Debug for CudaStager {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("CudaStager")
+            .field("pool", &self.pool)
+            .finish()
+    }
+}
+
+impl CudaStager {
+    /// A stager on device `ctx` with `buffers` pinned host buffers of `buffer_len` bytes each
+    /// (registered with `engine`; freed when the pool and all leases are gone) and its own
+    /// non-blocking side stream.
+    pub fn new(
+        engine: &Engine,
+        ctx: Arc<CudaContext>,
+        buffers: usize,
+        buffer_len: usize,
+    ) -> Result<Arc<Self>, CudaError> {
+        if !driver_present() {
+            return Err(CudaError::NoDriver);
+        }
+        if buffers == 0 || buffer_len == 0 {
+            return Err(CudaError::InvalidArgument(
+                "need at least one non-empty staging buffer".into(),
+            ));
+        }
+        ctx.bind_to_thread()?;
+        let side = result::stream::create(result::stream::StreamKind::NonBlocking)?;
+        let mut bufs: Vec<StagingBuffer> = Vec::with_capacity(buffers);
+        let mut ptrs: Vec<PinnedPtr> = Vec::with_capacity(buffers);
+        let cleanup = |bufs: &[StagingBuffer], ptrs: &[PinnedPtr]| {
+            for b in bufs {
+                let _ = engine.unregister(b.region);
+            }
+            for p in ptrs {
+                // SAFETY: allocated below with cuMemHostAlloc and not yet handed out.
+                let _ = unsafe { result::free_host(p.0 as *mut std::ffi::c_void) };
+            }
+            // SAFETY: the side stream was created above and has no work.
+            let _ = unsafe { result::stream::destroy(side) };
+        };
+        for _ in 0..buffers {
+            // SAFETY: cuMemHostAlloc with flags 0 (portable=no, write-combined=no) returns
+            // page-locked, cached host memory of `buffer_len` bytes or an error.
+            let p = match unsafe { result::malloc_host(buffer_len, 0) } {
+                Ok(p) => p as *mut u8,
+                Err(e) => {
+                    cleanup(&bufs, &ptrs);
+                    return Err(e.into());
+                }
+            };
+            ptrs.push(PinnedPtr(p as usize));
+            // SAFETY: `p` is `buffer_len` bytes of host memory we own; it stays allocated
+            // until the pool's release closure unregisters the region and then frees it.
+            match unsafe { engine.register_raw(p, buffer_len, Access::Local) } {
+                Ok(region) => bufs.push(StagingBuffer {
+                    region,
+                    len: buffer_len as u64,
+                    host_addr: p as usize,
+                }),
+                Err(e) => {
+                    cleanup(&bufs, &ptrs);
+                    return Err(e.into());
+                }
+            }
+        }
+        let eng = engine.clone();
+        let rctx = ctx.clone();
+        let release = Box::new(move |bufs: Vec<StagingBuffer>| {
+            for b in &bufs {
+                let _ = eng.unregister(b.region);
+            }
+            if rctx.bind_to_thread().is_ok() {
+                for p in &ptrs {
+                    // SAFETY: every lease is gone (the pool is being dropped) and the regions
+                    // were just unregistered, so nothing references the memory any more.
+                    let _ = unsafe { result::free_host(p.0 as *mut std::ffi::c_void) };
+                }
+            }
+        });
+        let pool = StagingPool::new(bufs, Some(release))?;
+        let waiter = EventWaiter::new(ctx.clone())?;
+        Ok(Arc::new(CudaStager {
+            ctx,
+            side: SideStream(side),
+            pool,
+            waiter,
+            devices: Mutex::new(Vec::new()),
+        }))
+    }
+
+    /// The waiter thread (to build [`EventReadiness`] values that share it).
+    pub fn waiter(&self) -> Arc<EventWaiter> {
+        self.waiter.clone()
+    }
+
+    /// The context.
+    pub fn context(&self) -> Arc<CudaContext> {
+        self.ctx.clone()
+    }
+
+    /// Makes `len` bytes of device memory at `dptr` a staging source; the layout names it as
+    /// `SrcSpace::Device(id)` with offsets relative to `dptr`.
+    ///
+    /// # Safety
+    /// `dptr..dptr+len` must be device memory of this stager's context that stays allocated
+    /// as long as streams may stage from it.
+    pub unsafe fn register_device(&self, dptr: u64, len: u64) -> Result<SrcSpace, CudaError> {
+        if dptr.checked_add(len).is_none() {
+            return Err(CudaError::InvalidArgument("device range overflows".into()));
+        }
+        let mut d = self.devices.lock();
+        let id = u32::try_from(d.len())
+            .map_err(|_| CudaError::InvalidArgument("too many device ranges".into()))?;
+        d.push((dptr, len));
+        Ok(SrcSpace::Device(id))
+    }
+
+    fn resolve(
+        &self,
+        c: &StageCopy,
+        buf: &StagingBuffer,
+    ) -> Result<(sys::CUdeviceptr, *mut u8), String> {
+        let SrcSpace::Device(id) = c.src else {
+            return Err("CUDA stager reads device memory only".into());
+        };
+        let (base, len) = *self
+            .devices
+            .lock()
+            .get(id as usize)
+            .ok_or_else(|| format!("unknown device memory {id}"))?;
+        if c.src_offset.checked_add(c.len).is_none_or(|e| e > len) {
+            return Err(format!(
+                "copy {}+{} outside device memory of {len} bytes",
+                c.src_offset, c.len
+            ));
+        }
+        if c.buf_offset.checked_add(c.len).is_none_or(|e| e > buf.len) || buf.host_addr == 0 {
+            return Err("copy outside the staging buffer".into());
+        }
+        Ok((
+            base + c.src_offset,
+            (buf.host_addr + c.buf_offset as usize) as *mut u8,
+        ))
+    }
+
+    fn enqueue(
+        &self,
+        after_event: Option<u64>,
+        copies: &[StageCopy],
+        buf: &StagingBuffer,
+    ) -> Result<sys::CUevent, String> {
+        self.ctx.bind_to_thread().map_err(|e| format!("{e:?}"))?;
+        if let Some(ev) = after_event {
+            // SAFETY: the side stream is ours; the stream keeps the layer's readiness (and so
+            // its event) alive until the layer completes, after this copy.
+            unsafe {
+                result::stream::wait_event(
+                    self.side.0,
+                    ev as usize as sys::CUevent,
+                    sys::CUevent_wait_flags::CU_EVENT_WAIT_DEFAULT,
+                )
+            }
+            .map_err(|e| format!("cuStreamWaitEvent: {e:?}"))?;
+        }
+        for c in copies {
+            let (src, dst) = self.resolve(c, buf)?;
+            // SAFETY: `dst..dst+len` lies in a pinned buffer we leased (checked above) and the
+            // lease is held until the done event completed; `src..src+len` lies in device
+            // memory registered with `register_device` (checked above).
+            unsafe {
+                sys::cuMemcpyDtoHAsync_v2(
+                    dst as *mut std::ffi::c_void,
+                    src,
+                    c.len as usize,
+                    self.side.0,
+                )
+            }
+            .result()
+            .map_err(|e| format!("cuMemcpyDtoHAsync: {e:?}"))?;
+        }
+        let done = create_blocking_event().map_err(|e| e.to_string())?;
+        // SAFETY: `done` was just created in this context; the side stream is ours.
+        if let Err(e) = unsafe { result::event::record(done, self.side.0) } {
+            // SAFETY: `done` is ours and unused.
+            let _ = unsafe { result::event::destroy(done) };
+            return Err(format!("cuEventRecord: {e:?}"));
+        }
+        Ok(done)
+    }
+}
+
+impl Drop for CudaStager {
+    fn drop(&mut self) {
+        if self.ctx.bind_to_thread().is_ok() {
+            // SAFETY: the side stream is ours; pending copies finish before it is released
+            // (cuStreamDestroy returns at once and the driver releases it when idle).
+            let _ = unsafe { result::stream::destroy(self.side.0) };
+        }
+    }
+}
+
+impl Stager for CudaStager {
+    fn pool(&self) -> &Arc<StagingPool> {
+        &self.pool
+    }
+
+    fn orders_after_events(&self) -> bool {
+        true
+    }
+
+    fn can_read(&self, src: SrcSpace) -> bool {
+        matches!(src, SrcSpace::Device(id) if (id as usize) < self.devices.lock().len())
+    }
+
+    fn stage(
+        &self,
+        after_event: Option<u64>,
+        copies: Vec<StageCopy>,
+        lease: Lease,
+        done: StageDone,
+    ) {
+        let buf = lease.buffer();
+        match self.enqueue(after_event, &copies, &buf) {
+            Ok(ev) => {
+                let ctx = self.ctx.clone();
+                let raw = ev as usize as u64;
+                self.waiter.push(
+                    raw,
+                    Box::new(move |r| {
+                        if ctx.bind_to_thread().is_ok() {
+                            // SAFETY: the wait on the event has returned; nothing else uses it.
+                            let _ = unsafe { result::event::destroy(raw as usize as sys::CUevent) };
+                        }
+                        done(lease, r);
+                    }),
+                );
+            }
+            Err(e) => {
+                // Some copies may be queued: let them finish before the buffer goes back.
+                // SAFETY: the side stream is ours.
+                let _ = unsafe { result::stream::synchronize(self.side.0) };
+                done(lease, Err(e));
+            }
+        }
+    }
+}
+
+/// The raw device pointer of a cudarc slice (for [`CudaStager::register_device`]).
+pub fn device_ptr<T>(
+    s: &cudarc::driver::CudaSlice<T>,
+    stream: &Arc<cudarc::driver::CudaStream>,
+) -> u64 {
+    use cudarc::driver::DevicePtr;
+    let (p, _sync) = s.device_ptr(stream);
+    p
+}
+
+/// Re-export of the cudarc driver API for callers that allocate device memory themselves.
+pub use cudarc::driver as driver_api;
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn no_driver_is_an_error_not_a_panic() {
+        if driver_present() {
+            use std::io::Write;
+            let _ = writeln!(
+                std::io::stderr(),
+                "SKIPPED: a CUDA driver is present; this test covers machines without one"
+            );
+            return;
+        }
+        assert!(matches!(device_count(), Err(CudaError::NoDriver)));
+        assert!(matches!(context(0), Err(CudaError::NoDriver)));
+    }
+}

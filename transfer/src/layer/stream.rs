@@ -1,0 +1,938 @@
+//! The layer stream: its handle, and the worker thread that runs its state machine.
+//!
+//! Per layer: `waiting → ready (readiness fired, or a CUDA event a stager orders after) →
+//! started (ready and destination known) → [staged chunks] → written → done`. The stream is
+//! done when every layer is and, if a tag was given, the target has the notification (sent on
+//! the last batch when nothing else is in flight, else as an empty batch after all others
+//! completed, so the target never sees it before all bytes landed). Any failure (readiness,
+//! staging, a batch, the deadline, an abort) fails every unfinished layer and the stream; the
+//! worker then waits for what is in flight (bounded by the deadline) so that every staging
+//! buffer is back in its pool before the failure is reported.
+
+use std::collections::{HashMap, VecDeque};
+use std::future::Future;
+use std::pin::Pin;
+use std::sync::Arc;
+use std::task::{Context, Poll, Wake, Waker};
+use std::time::{Duration, Instant};
+
+use crossbeam_channel::{Receiver, RecvTimeoutError, Sender};
+use parking_lot::{Condvar, Mutex};
+
+use crate::layer::layout::{Extent, KvLayout, SrcSpace};
+use crate::layer::readiness::{Readiness, ReadySignal};
+use crate::layer::staging::{Lease, StageCopy, Stager};
+use crate::layer::LayerError;
+use crate::{Batch, BatchStats, Engine, Op, Peer, RegionId};
+
+/// After a failure, how long past the deadline the worker still waits for in-flight work.
+const SETTLE_GRACE: Duration = Duration::from_secs(5);
+
+/// Block ids of a request, the same for every layer (vLLM's block table) or per layer.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum BlockLists {
+    /// One list used for every layer.
+    Shared(Vec<u32>),
+    /// One list per layer.
+    PerLayer(Vec<Vec<u32>>),
+}
+
+impl BlockLists {
+    fn layer(&self, l: usize) -> &[u32] {
+        match self {
+            BlockLists::Shared(v) => v,
+            BlockLists::PerLayer(v) => v.get(l).map(Vec::as_slice).unwrap_or(&[]),
+        }
+    }
+
+    fn check(&self, layers: usize, what: &str) -> Result<(), LayerError> {
+        match self {
+            BlockLists::PerLayer(v) if v.len() != layers => {
+                Err(LayerError::InvalidArgument(format!(
+                    "{what} block lists: {} layers, layout has {layers}",
+                    v.len()
+                )))
+            }
+            _ => Ok(()),
+        }
+    }
+}
+
+/// How to run a stream.
+pub struct StreamOptions {
+    /// Notification tag delivered to the target after every layer landed.
+    pub tag: Option<Vec<u8>>,
+    /// Deadline for the whole stream, from `open`.
+    pub deadline: Duration,
+    /// Stager for source memory the engine cannot send from ([`SrcSpace::Device`]).
+    pub stager: Option<Arc<dyn Stager>>,
+}
+
+impl Default for StreamOptions {
+    fn default() -> Self {
+        StreamOptions {
+            tag: None,
+            deadline: Duration::from_secs(60),
+            stager: None,
+        }
+    }
+}
+
+impl std::fmt::Debug for StreamOptions {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("StreamOptions")
+            .field("tag", &self.tag)
+            .field("deadline", &self.deadline)
+            .field("staged", &self.stager.is_some())
+            .finish()
+    }
+}
+
+/// What one layer sent.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct LayerStats {
+    /// Payload bytes.
+    pub bytes: u64,
+    /// Writes after coalescing (as the engine counted them).
+    pub writes: usize,
+    /// Batches (one per layer, or one per staged chunk).
+    pub batches: usize,
+}
+
+/// What a whole stream sent.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct StreamStats {
+    /// Layers.
+    pub layers: usize,
+    /// Payload bytes.
+    pub bytes: u64,
+    /// Writes after coalescing, all layers.
+    pub writes: usize,
+    /// Data batches, all layers.
+    pub batches: usize,
+    /// Whether the notification needed a batch of its own (something else was still in
+    /// flight when the last data batch was posted).
+    pub separate_notify: bool,
+}
+
+struct SharedState {
+    layers: Vec<Option<Result<LayerStats, LayerError>>>,
+    result: Option<Result<StreamStats, LayerError>>,
+    ready_called: Vec<bool>,
+    dest_set: bool,
+}
+
+struct Shared {
+    st: Mutex<SharedState>,
+    cv: Condvar,
+}
+
+fn dup<T: Copy>(r: &Result<T, LayerError>) -> Result<T, LayerError> {
+    match r {
+        Ok(s) => Ok(*s),
+        Err(e) => Err(e.duplicate()),
+    }
+}
+
+enum Msg {
+    Ready(usize, Box<dyn Readiness>),
+    Fired(usize, Result<(), String>),
+    Dest(Vec<Vec<Extent>>),
+    Staged {
+        chunk: Chunk,
+        lease: Lease,
+        result: Result<(), String>,
+    },
+    Wake(u64),
+    BufferFreed,
+    Abort(String),
+}
+
+/// A piece of a layer that fits one staging buffer.
+struct Chunk {
+    layer: usize,
+    event: Option<u64>,
+    copies: Vec<StageCopy>,
+    /// (buffer offset, destination, destination offset, len)
+    writes: Vec<(u64, RegionId, u64, u64)>,
+}
+
+/// A request's KV cache, streamed layer by layer to one peer. See the module docs.
+///
+/// Dropping the handle before the stream finished aborts it.
+pub struct LayerStream {
+    tx: Sender<Msg>,
+    shared: Arc<Shared>,
+    layout: Arc<KvLayout>,
+    src: BlockLists,
+}
+
+impl std::fmt::Debug for LayerStream {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("LayerStream")
+            .field("layers", &self.layout.num_layers())
+            .field("done", &self.shared.st.lock().result.is_some())
+            .finish()
+    }
+}
+
+impl LayerStream {
+    /// Opens a stream to `peer` for the blocks `src` (and `dst`, when already known) of
+    /// `layout`, and starts its worker thread.
+    pub fn open(
+        engine: &Engine,
+        peer: &Peer,
+        layout: Arc<KvLayout>,
+        src: BlockLists,
+        dst: Option<BlockLists>,
+        opts: StreamOptions,
+    ) -> Result<LayerStream, LayerError> {
+        let n = layout.num_layers();
+        src.check(n, "source")?;
+        let needs_stager = layout
+            .src()
+            .layers
+            .iter()
+            .flatten()
+            .any(|(s, _)| matches!(s, SrcSpace::Device(_)));
+        match &opts.stager {
+            None if needs_stager => {
+                return Err(LayerError::InvalidArgument(
+                    "source in device memory needs a stager (or register it with the engine)"
+                        .into(),
+                ))
+            }
+            Some(st) => {
+                if let Some((s, _)) = layout
+                    .src()
+                    .layers
+                    .iter()
+                    .flatten()
+                    .find(|(s, _)| !st.can_read(*s))
+                {
+                    return Err(LayerError::InvalidArgument(format!(
+                        "the stager cannot read {s:?}"
+                    )));
+                }
+            }
+            None => {}
+        }
+        if let Some(t) = &opts.tag {
+            if t.len() > crate::wire::MAX_TAG as usize {
+                return Err(LayerError::InvalidArgument(format!(
+                    "tag of {} bytes is too long",
+                    t.len()
+                )));
+            }
+        }
+        let plans = match &dst {
+            Some(d) => Some(plan(&layout, &src, d)?),
+            None => None,
+        };
+        let shared = Arc::new(Shared {
+            st: Mutex::new(SharedState {
+                layers: (0..n).map(|_| None).collect(),
+                result: None,
+                ready_called: vec![false; n],
+                dest_set: plans.is_some(),
+            }),
+            cv: Condvar::new(),
+        });
+        let (tx, rx) = crossbeam_channel::unbounded();
+        let worker = Worker {
+            engine: engine.clone(),
+            peer: peer.clone(),
+            tx: tx.clone(),
+            rx,
+            shared: shared.clone(),
+            deadline: Instant::now() + opts.deadline,
+            tag: opts.tag,
+            stager: opts.stager,
+            plans,
+            slots: (0..n).map(|_| Slot::default()).collect(),
+            queue: VecDeque::new(),
+            inflight: HashMap::new(),
+            next_key: 0,
+            staging: 0,
+            waiting_buffer: false,
+            failed: None,
+            layers_done: 0,
+            tag_with_data: false,
+            notify_posted: false,
+            notify_done: false,
+            stats: StreamStats {
+                layers: n,
+                ..StreamStats::default()
+            },
+        };
+        std::thread::Builder::new()
+            .name("kvwire-layers".into())
+            .spawn(move || worker.run())
+            .map_err(|e| LayerError::Engine(crate::Error::Io(e)))?;
+        Ok(LayerStream {
+            tx,
+            shared,
+            layout,
+            src,
+        })
+    }
+
+    /// Number of layers.
+    pub fn num_layers(&self) -> usize {
+        self.layout.num_layers()
+    }
+
+    /// Layer `layer` is complete once `readiness` fires; it is sent then (or when the
+    /// destination arrives, if later). Each layer once.
+    pub fn layer_ready(&self, layer: usize, readiness: impl Readiness) -> Result<(), LayerError> {
+        self.layer_ready_boxed(layer, Box::new(readiness))
+    }
+
+    /// [`LayerStream::layer_ready`] with a boxed readiness.
+    pub fn layer_ready_boxed(
+        &self,
+        layer: usize,
+        readiness: Box<dyn Readiness>,
+    ) -> Result<(), LayerError> {
+        {
+            let mut g = self.shared.st.lock();
+            if let Some(r) = &g.result {
+                return Err(match r {
+                    Ok(_) => LayerError::State("stream already finished".into()),
+                    Err(e) => e.duplicate(),
+                });
+            }
+            match g.ready_called.get_mut(layer) {
+                None => {
+                    return Err(LayerError::InvalidArgument(format!(
+                        "layer {layer} out of range ({} layers)",
+                        self.num_layers()
+                    )))
+                }
+                Some(true) => {
+                    return Err(LayerError::State(format!("layer {layer} made ready twice")))
+                }
+                Some(c) => *c = true,
+            }
+        }
+        self.tx
+            .send(Msg::Ready(layer, readiness))
+            .map_err(|_| LayerError::State("stream worker is gone".into()))
+    }
+
+    /// The destination block ids (D's reservation), when they were not known at `open`.
+    /// Checked against the layout at once; an error leaves the stream waiting for a valid
+    /// destination.
+    pub fn set_destination(&self, dst: BlockLists) -> Result<(), LayerError> {
+        let plans = plan(&self.layout, &self.src, &dst)?;
+        {
+            let mut g = self.shared.st.lock();
+            if g.dest_set {
+                return Err(LayerError::State("destination already set".into()));
+            }
+            if let Some(Err(e)) = &g.result {
+                return Err(e.duplicate());
+            }
+            g.dest_set = true;
+        }
+        self.tx
+            .send(Msg::Dest(plans))
+            .map_err(|_| LayerError::State("stream worker is gone".into()))
+    }
+
+    /// Aborts the stream: unsent layers are dropped, the stream and every unfinished layer
+    /// fail with [`LayerError::Aborted`]; staging buffers go back once in-flight writes end.
+    pub fn abort(&self, reason: &str) {
+        let _ = self.tx.send(Msg::Abort(reason.to_string()));
+    }
+
+    /// Blocks until the stream finished (every layer landed and the target was notified, or
+    /// it failed and released everything).
+    pub fn wait(&self) -> Result<StreamStats, LayerError> {
+        let mut g = self.shared.st.lock();
+        loop {
+            if let Some(r) = &g.result {
+                return dup(r);
+            }
+            self.shared.cv.wait(&mut g);
+        }
+    }
+
+    /// Waits at most `d`; `None` = still running.
+    pub fn wait_timeout(&self, d: Duration) -> Option<Result<StreamStats, LayerError>> {
+        let until = Instant::now() + d;
+        let mut g = self.shared.st.lock();
+        loop {
+            if let Some(r) = &g.result {
+                return Some(dup(r));
+            }
+            if self.shared.cv.wait_until(&mut g, until).timed_out() {
+                return g.result.as_ref().map(dup);
+            }
+        }
+    }
+
+    /// Non-blocking: the stream's result if finished.
+    pub fn poll(&self) -> Option<Result<StreamStats, LayerError>> {
+        self.shared.st.lock().result.as_ref().map(dup)
+    }
+
+    /// Non-blocking: layer `layer`'s result if it finished (landed or failed).
+    pub fn poll_layer(&self, layer: usize) -> Option<Result<LayerStats, LayerError>> {
+        self.shared.st.lock().layers.get(layer)?.as_ref().map(dup)
+    }
+
+    /// Blocks until layer `layer` landed or failed, at most `d` (`None` = still running).
+    pub fn wait_layer_timeout(
+        &self,
+        layer: usize,
+        d: Duration,
+    ) -> Option<Result<LayerStats, LayerError>> {
+        let until = Instant::now() + d;
+        let mut g = self.shared.st.lock();
+        loop {
+            match g.layers.get(layer) {
+                None => {
+                    return Some(Err(LayerError::InvalidArgument(format!(
+                        "layer {layer} out of range"
+                    ))));
+                }
+                Some(Some(r)) => return Some(dup(r)),
+                Some(None) => {}
+            }
+            if self.shared.cv.wait_until(&mut g, until).timed_out() {
+                return g.layers.get(layer).and_then(|r| r.as_ref().map(dup));
+            }
+        }
+    }
+}
+
+impl Drop for LayerStream {
+    fn drop(&mut self) {
+        if self.shared.st.lock().result.is_none() {
+            let _ = self.tx.send(Msg::Abort("stream handle dropped".into()));
+        }
+    }
+}
+
+fn plan(
+    layout: &KvLayout,
+    src: &BlockLists,
+    dst: &BlockLists,
+) -> Result<Vec<Vec<Extent>>, LayerError> {
+    let n = layout.num_layers();
+    dst.check(n, "destination")?;
+    (0..n)
+        .map(|l| layout.layer_extents(l, src.layer(l), dst.layer(l)))
+        .collect()
+}
+
+/// Cuts a layer's extents into chunks of at most `cap` bytes, packed in buffer order.
+fn chunk_layer(layer: usize, event: Option<u64>, extents: &[Extent], cap: u64) -> Vec<Chunk> {
+    let mut out = Vec::new();
+    let mut cur = Chunk {
+        layer,
+        event,
+        copies: Vec::new(),
+        writes: Vec::new(),
+    };
+    let mut fill = 0u64;
+    for e in extents {
+        let mut done = 0u64;
+        while done < e.len {
+            if fill == cap {
+                out.push(std::mem::replace(
+                    &mut cur,
+                    Chunk {
+                        layer,
+                        event,
+                        copies: Vec::new(),
+                        writes: Vec::new(),
+                    },
+                ));
+                fill = 0;
+            }
+            let n = (e.len - done).min(cap - fill);
+            cur.copies.push(StageCopy {
+                src: e.src,
+                src_offset: e.src_offset + done,
+                buf_offset: fill,
+                len: n,
+            });
+            cur.writes.push((fill, e.dst, e.dst_offset + done, n));
+            fill += n;
+            done += n;
+        }
+    }
+    if !cur.copies.is_empty() {
+        out.push(cur);
+    }
+    out
+}
+
+#[derive(Default)]
+struct Slot {
+    fired: bool,
+    started: bool,
+    done: bool,
+    event: Option<u64>,
+    /// Kept alive until the layer is done (it may own the CUDA event).
+    readiness: Option<Box<dyn Readiness>>,
+    outstanding: usize,
+    stats: LayerStats,
+}
+
+struct InFlight {
+    batch: Batch,
+    layer: Option<usize>,
+    _lease: Option<Lease>,
+}
+
+struct BatchWake {
+    key: u64,
+    tx: Sender<Msg>,
+}
+
+impl Wake for BatchWake {
+    fn wake(self: Arc<Self>) {
+        let _ = self.tx.send(Msg::Wake(self.key));
+    }
+}
+
+struct Worker {
+    engine: Engine,
+    peer: Peer,
+    tx: Sender<Msg>,
+    rx: Receiver<Msg>,
+    shared: Arc<Shared>,
+    deadline: Instant,
+    tag: Option<Vec<u8>>,
+    stager: Option<Arc<dyn Stager>>,
+    plans: Option<Vec<Vec<Extent>>>,
+    slots: Vec<Slot>,
+    queue: VecDeque<Chunk>,
+    inflight: HashMap<u64, InFlight>,
+    next_key: u64,
+    staging: usize,
+    waiting_buffer: bool,
+    failed: Option<LayerError>,
+    layers_done: usize,
+    tag_with_data: bool,
+    notify_posted: bool,
+    notify_done: bool,
+    stats: StreamStats,
+}
+
+impl Worker {
+    fn run(mut self) {
+        let result = loop {
+            if let Some(r) = self.finished() {
+                break r;
+            }
+            let until = if self.failed.is_some() {
+                self.deadline.max(Instant::now()) + SETTLE_GRACE
+            } else {
+                self.deadline
+            };
+            match self.rx.recv_deadline(until) {
+                Ok(m) => self.handle(m),
+                Err(RecvTimeoutError::Timeout) => {
+                    if let Some(e) = &self.failed {
+                        // in-flight work did not settle in time; leases come back whenever
+                        // their copies/batches end.
+                        tracing::warn!(
+                            inflight = self.inflight.len(),
+                            staging = self.staging,
+                            "layer stream gave up waiting for in-flight work"
+                        );
+                        break Err(e.duplicate());
+                    }
+                    self.fail(LayerError::Timeout);
+                }
+                Err(RecvTimeoutError::Disconnected) => {
+                    self.fail(LayerError::State("stream channel closed".into()));
+                    break Err(LayerError::State("stream channel closed".into()));
+                }
+            }
+        };
+        // release everything before reporting
+        self.queue.clear();
+        self.inflight.clear();
+        for s in &mut self.slots {
+            s.readiness = None;
+        }
+        let mut g = self.shared.st.lock();
+        g.result = Some(result);
+        drop(g);
+        self.shared.cv.notify_all();
+    }
+
+    fn finished(&self) -> Option<Result<StreamStats, LayerError>> {
+        if let Some(e) = &self.failed {
+            if self.inflight.is_empty() && self.staging == 0 {
+                return Some(Err(e.duplicate()));
+            }
+            return None;
+        }
+        let all = self.layers_done == self.slots.len();
+        if all && (self.tag.is_none() || self.tag_with_data || self.notify_done) {
+            return Some(Ok(self.stats));
+        }
+        None
+    }
+
+    fn remaining(&self) -> Duration {
+        self.deadline
+            .saturating_duration_since(Instant::now())
+            .max(Duration::from_millis(1))
+    }
+
+    fn handle(&mut self, m: Msg) {
+        match m {
+            Msg::Ready(l, r) => {
+                if self.failed.is_some() {
+                    return;
+                }
+                let ordered = self
+                    .stager
+                    .as_ref()
+                    .is_some_and(|s| s.orders_after_events());
+                match r.cuda_event() {
+                    Some(ev) if ordered => {
+                        let s = &mut self.slots[l];
+                        s.event = Some(ev);
+                        s.readiness = Some(r);
+                        s.fired = true;
+                        self.try_start(l);
+                    }
+                    _ => {
+                        let tx = self.tx.clone();
+                        r.notify(ReadySignal::new(move |res| {
+                            let _ = tx.send(Msg::Fired(l, res));
+                        }));
+                    }
+                }
+            }
+            Msg::Fired(l, res) => {
+                if self.failed.is_some() {
+                    return;
+                }
+                match res {
+                    Ok(()) => {
+                        self.slots[l].fired = true;
+                        self.try_start(l);
+                    }
+                    Err(reason) => self.fail(LayerError::Readiness { layer: l, reason }),
+                }
+            }
+            Msg::Dest(plans) => {
+                if self.failed.is_some() {
+                    return;
+                }
+                self.plans = Some(plans);
+                for l in 0..self.slots.len() {
+                    self.try_start(l);
+                }
+            }
+            Msg::Staged {
+                chunk,
+                lease,
+                result,
+            } => {
+                self.staging -= 1;
+                if self.failed.is_some() {
+                    return; // lease dropped here: back to the pool
+                }
+                match result {
+                    Ok(()) => {
+                        let region = lease.buffer().region;
+                        let ops: Vec<Op> = chunk
+                            .writes
+                            .iter()
+                            .map(|&(off, dst, doff, len)| Op {
+                                local: region,
+                                local_offset: off,
+                                remote: dst,
+                                remote_offset: doff,
+                                len,
+                            })
+                            .collect();
+                        self.post(Some(chunk.layer), &ops, Some(lease));
+                    }
+                    Err(reason) => {
+                        drop(lease);
+                        self.fail(LayerError::Staging {
+                            layer: chunk.layer,
+                            reason,
+                        });
+                    }
+                }
+            }
+            Msg::Wake(key) => self.poll_batch(key),
+            Msg::BufferFreed => {
+                self.waiting_buffer = false;
+                self.pump();
+            }
+            Msg::Abort(reason) => self.fail(LayerError::Aborted(reason)),
+        }
+    }
+
+    fn try_start(&mut self, l: usize) {
+        if self.failed.is_some() {
+            return;
+        }
+        let Some(plans) = self.plans.as_mut() else {
+            return;
+        };
+        let s = &mut self.slots[l];
+        if !s.fired || s.started {
+            return;
+        }
+        s.started = true;
+        let extents = std::mem::take(&mut plans[l]);
+        if extents.is_empty() {
+            self.layer_finished(l);
+            return;
+        }
+        match self.stager.clone() {
+            None => {
+                let mut ops = Vec::with_capacity(extents.len());
+                for e in &extents {
+                    let SrcSpace::Region(h) = e.src else {
+                        self.fail(LayerError::InvalidArgument(
+                            "device source without a stager".into(),
+                        ));
+                        return;
+                    };
+                    ops.push(Op {
+                        local: h,
+                        local_offset: e.src_offset,
+                        remote: e.dst,
+                        remote_offset: e.dst_offset,
+                        len: e.len,
+                    });
+                }
+                self.slots[l].outstanding = 1;
+                self.post(Some(l), &ops, None);
+            }
+            Some(st) => {
+                let cap = st.pool().buffer_len();
+                let chunks = chunk_layer(l, self.slots[l].event, &extents, cap);
+                self.slots[l].outstanding = chunks.len();
+                self.queue.extend(chunks);
+                self.pump();
+            }
+        }
+    }
+
+    fn pump(&mut self) {
+        let Some(st) = self.stager.clone() else {
+            return;
+        };
+        while !self.queue.is_empty() && self.failed.is_none() {
+            let Some(lease) = st.pool().try_acquire() else {
+                if !self.waiting_buffer {
+                    self.waiting_buffer = true;
+                    let tx = self.tx.clone();
+                    st.pool().when_free(move || {
+                        let _ = tx.send(Msg::BufferFreed);
+                    });
+                }
+                return;
+            };
+            let Some(mut chunk) = self.queue.pop_front() else {
+                return;
+            };
+            self.staging += 1;
+            let copies = std::mem::take(&mut chunk.copies);
+            let event = chunk.event;
+            let tx = self.tx.clone();
+            st.stage(
+                event,
+                copies,
+                lease,
+                Box::new(move |lease, result| {
+                    let _ = tx.send(Msg::Staged {
+                        chunk,
+                        lease,
+                        result,
+                    });
+                }),
+            );
+        }
+    }
+
+    /// Whether a batch posted now is the stream's last piece of work.
+    fn is_last_post(&self) -> bool {
+        self.layers_done + 1 == self.slots.len()
+            && self.slots.iter().all(|s| s.started)
+            && self.queue.is_empty()
+            && self.staging == 0
+            && self.inflight.is_empty()
+    }
+
+    fn post(&mut self, layer: Option<usize>, ops: &[Op], lease: Option<Lease>) {
+        let tag = match (&self.tag, layer) {
+            (Some(t), Some(_)) if self.is_last_post() => Some(t.as_slice()),
+            (Some(t), None) => Some(t.as_slice()),
+            _ => None,
+        };
+        match self
+            .engine
+            .write(&self.peer, ops, tag, Some(self.remaining()))
+        {
+            Ok(batch) => {
+                if tag.is_some() && layer.is_some() {
+                    self.tag_with_data = true;
+                }
+                let key = self.next_key;
+                self.next_key += 1;
+                self.inflight.insert(
+                    key,
+                    InFlight {
+                        batch,
+                        layer,
+                        _lease: lease,
+                    },
+                );
+                self.poll_batch(key);
+            }
+            Err(e) => {
+                drop(lease);
+                self.fail(LayerError::Engine(e));
+            }
+        }
+    }
+
+    fn poll_batch(&mut self, key: u64) {
+        let Some(f) = self.inflight.get_mut(&key) else {
+            return;
+        };
+        let waker = Waker::from(Arc::new(BatchWake {
+            key,
+            tx: self.tx.clone(),
+        }));
+        let mut cx = Context::from_waker(&waker);
+        let r = match Pin::new(&mut f.batch).poll(&mut cx) {
+            Poll::Ready(r) => r,
+            Poll::Pending => return,
+        };
+        let Some(f) = self.inflight.remove(&key) else {
+            return;
+        };
+        let layer = f.layer;
+        drop(f); // the lease (if any) goes back to the pool
+        match r {
+            Ok(bs) => self.batch_ok(layer, bs),
+            Err(e) => self.fail(LayerError::Engine(e)),
+        }
+        self.pump();
+    }
+
+    fn batch_ok(&mut self, layer: Option<usize>, bs: BatchStats) {
+        let Some(l) = layer else {
+            self.notify_done = true;
+            return;
+        };
+        if self.failed.is_some() {
+            return;
+        }
+        let s = &mut self.slots[l];
+        s.stats.bytes += bs.bytes;
+        s.stats.writes += bs.writes;
+        s.stats.batches += 1;
+        s.outstanding = s.outstanding.saturating_sub(1);
+        if s.outstanding == 0 {
+            self.layer_finished(l);
+        }
+    }
+
+    fn layer_finished(&mut self, l: usize) {
+        let s = &mut self.slots[l];
+        if s.done {
+            return;
+        }
+        s.done = true;
+        s.readiness = None;
+        let ls = s.stats;
+        self.stats.bytes += ls.bytes;
+        self.stats.writes += ls.writes;
+        self.stats.batches += ls.batches;
+        self.layers_done += 1;
+        {
+            let mut g = self.shared.st.lock();
+            g.layers[l] = Some(Ok(ls));
+        }
+        self.shared.cv.notify_all();
+        if self.layers_done == self.slots.len()
+            && self.tag.is_some()
+            && !self.tag_with_data
+            && !self.notify_posted
+        {
+            self.notify_posted = true;
+            self.stats.separate_notify = true;
+            self.post(None, &[], None);
+        }
+    }
+
+    fn fail(&mut self, e: LayerError) {
+        if self.failed.is_some() {
+            return;
+        }
+        tracing::debug!(error = %e, "layer stream failed");
+        self.queue.clear();
+        {
+            let mut g = self.shared.st.lock();
+            for (l, s) in self.slots.iter_mut().enumerate() {
+                s.readiness = None;
+                if !s.done {
+                    g.layers[l] = Some(Err(e.duplicate()));
+                }
+            }
+        }
+        self.shared.cv.notify_all();
+        self.failed = Some(e);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn chunks_respect_capacity_and_cover_everything() {
+        let dst = RegionId {
+            index: 1,
+            generation: 1,
+        };
+        let ex = vec![
+            Extent {
+                src: SrcSpace::Device(0),
+                src_offset: 0,
+                dst,
+                dst_offset: 1000,
+                len: 250,
+            },
+            Extent {
+                src: SrcSpace::Device(0),
+                src_offset: 500,
+                dst,
+                dst_offset: 2000,
+                len: 10,
+            },
+        ];
+        let ch = chunk_layer(3, None, &ex, 100);
+        assert_eq!(ch.len(), 3);
+        let total: u64 = ch.iter().flat_map(|c| &c.copies).map(|c| c.len).sum();
+        assert_eq!(total, 260);
+        for c in &ch {
+            assert!(c.copies.iter().map(|x| x.len).sum::<u64>() <= 100);
+            assert_eq!(c.copies.len(), c.writes.len());
+            for (cp, w) in c.copies.iter().zip(&c.writes) {
+                assert_eq!(cp.buf_offset, w.0);
+                assert_eq!(cp.len, w.3);
+            }
+        }
+        assert_eq!(ch[2].writes.last(), Some(&(50, dst, 2000, 10)));
+    }
+}
