@@ -40,6 +40,8 @@ pub(crate) struct ReadSlice {
 pub(crate) struct BatchState {
     pub id: u64,
     remaining: AtomicU32,
+    /// Set by the first `finish` call: its outcome wins, even while its fail hook runs.
+    finishing: AtomicBool,
     done: AtomicBool,
     result: Mutex<Option<Result<BatchStats, Error>>>,
     cv: Condvar,
@@ -52,7 +54,13 @@ pub(crate) struct BatchState {
     /// The peer's in-flight map, to remove ourselves when finished.
     pending: Mutex<Option<Weak<Pending>>>,
     timer: Weak<Timer>,
+    /// Run once when the batch fails, before anyone sees the error (a transport stops its data
+    /// path from touching the batch's memory afterwards, e.g. RDMA READs at a deadline).
+    on_fail: Mutex<Option<FailHook>>,
 }
+
+/// See [`BatchState::set_on_fail`].
+pub(crate) type FailHook = Box<dyn FnOnce(&Error) + Send>;
 
 impl BatchState {
     pub fn new(
@@ -66,6 +74,7 @@ impl BatchState {
         Arc::new(BatchState {
             id,
             remaining: AtomicU32::new(parts),
+            finishing: AtomicBool::new(false),
             done: AtomicBool::new(false),
             result: Mutex::new(None),
             cv: Condvar::new(),
@@ -76,6 +85,7 @@ impl BatchState {
             reads,
             pending: Mutex::new(None),
             timer: Arc::downgrade(timer),
+            on_fail: Mutex::new(None),
         })
     }
 
@@ -110,7 +120,19 @@ impl BatchState {
         self.finish(Err(e));
     }
 
+    /// Installs a hook run (once, on the failing thread) before a failure is published.
+    pub fn set_on_fail(&self, f: FailHook) {
+        *self.on_fail.lock() = Some(f);
+    }
+
     fn finish(&self, r: Result<BatchStats, Error>) {
+        if self.finishing.swap(true, Ordering::AcqRel) {
+            return;
+        }
+        let hook = self.on_fail.lock().take();
+        if let (Err(e), Some(h)) = (&r, hook) {
+            h(e);
+        }
         {
             let mut g = self.result.lock();
             if g.is_some() {
@@ -221,6 +243,10 @@ impl Batch {
                 drop(g);
                 s.fail(Error::Timeout);
                 g = s.result.lock();
+                // Another finisher may still be running its fail hook: wait for its outcome.
+                while g.is_none() {
+                    s.cv.wait(&mut g);
+                }
             }
         }
         drop(g);
@@ -387,5 +413,54 @@ impl Timer {
                 None => self.cv.wait(&mut g),
             }
         }
+    }
+}
+
+#[cfg(test)]
+mod hook_tests {
+    use super::*;
+
+    fn stats() -> BatchStats {
+        BatchStats {
+            bytes: 0,
+            ops: 0,
+            writes: 0,
+            slices: 0,
+            transport: TransportKind::Tcp,
+        }
+    }
+
+    #[test]
+    fn fail_hook_runs_before_the_error_is_seen_and_first_finisher_wins() {
+        let timer = Arc::new(Timer::default());
+        let st = BatchState::new(1, 1, stats(), Instant::now(), Vec::new(), &timer);
+        let seen = Arc::new(Mutex::new(None));
+        let (s2, st2) = (seen.clone(), Arc::downgrade(&st));
+        st.set_on_fail(Box::new(move |e: &Error| {
+            // the outcome is not published yet while the hook runs
+            let done = st2.upgrade().map(|s| s.is_done());
+            *s2.lock() = Some((matches!(e, Error::Timeout), done));
+        }));
+        let b = Batch { state: st.clone() };
+        assert!(matches!(b.wait(), Err(Error::Timeout)));
+        assert_eq!(*seen.lock(), Some((true, Some(false))));
+        st.part_done(); // a late completion does not change the outcome
+        assert!(matches!(b.poll(), Some(Err(Error::Timeout))));
+        // success: the hook is dropped, not run
+        let st = BatchState::new(
+            2,
+            1,
+            stats(),
+            Instant::now() + Duration::from_secs(60),
+            Vec::new(),
+            &timer,
+        );
+        let ran = Arc::new(AtomicBool::new(false));
+        let r2 = ran.clone();
+        st.set_on_fail(Box::new(move |_| r2.store(true, Ordering::SeqCst)));
+        st.part_done();
+        st.fail(Error::Shutdown);
+        assert!(!ran.load(Ordering::SeqCst));
+        assert!(matches!(Batch { state: st }.poll(), Some(Ok(_))));
     }
 }

@@ -12,6 +12,10 @@ pub enum TransportKind {
     Tcp,
     /// Always shared memory; connecting to a peer on another host fails with `Error::Unsupported`.
     Shm,
+    /// Always RDMA (RC queue pairs); `Engine::new` fails with `Error::Unsupported` when no
+    /// RDMA device is usable here. `Auto` uses RDMA towards peers that offer it when shm is
+    /// not possible (another host), or first when `KVWIRE_PREFER_RDMA=1`.
+    Rdma,
 }
 
 /// Engine configuration. `EngineConfig::default()` listens on an ephemeral loopback port.
@@ -31,6 +35,10 @@ pub struct EngineConfig {
     pub default_deadline: Duration,
     /// Deadline for connecting and the handshake.
     pub connect_timeout: Duration,
+    /// RDMA device to use (e.g. `mlx5_0`, `rxe0`); `None` = `$KVWIRE_RDMA_DEVICE`, else the
+    /// first device with an active port. RDMA is offered only when libibverbs loads
+    /// (`$KVWIRE_IBVERBS_PATH` overrides its path) and a device is usable.
+    pub rdma_device: Option<String>,
 }
 
 impl Default for EngineConfig {
@@ -43,6 +51,7 @@ impl Default for EngineConfig {
             slice_size: 1 << 20,
             default_deadline: Duration::from_secs(10),
             connect_timeout: Duration::from_secs(5),
+            rdma_device: None,
         }
     }
 }

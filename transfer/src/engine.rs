@@ -21,13 +21,16 @@ use crate::notify::{Notification, Notifications, NotifyQueue};
 use crate::region::{
     check_bounds, Access, RegionEntry, RegionHandle, RegionId, RegionTable, RemoteRegion,
 };
+use crate::transport::rdma::RdmaTransport;
 use crate::transport::shm::CopyJob;
 use crate::transport::tcp::{serve_lane, OnDead};
 use crate::transport::{
     Dir, EstablishCtx, NotifyTracker, PeerTransport, Posted, ShmTransport, TargetCtx, TcpTransport,
     Transport, Xfer,
 };
-use crate::wire::{self, CtrlMsg, HostIdentity, WireRegion, TRANSPORT_SHM, TRANSPORT_TCP};
+use crate::wire::{
+    self, CtrlMsg, HostIdentity, WireRegion, TRANSPORT_RDMA, TRANSPORT_SHM, TRANSPORT_TCP,
+};
 use crate::Op;
 
 /// Identifies a peer within one engine.
@@ -117,6 +120,9 @@ pub(crate) struct PeerInner {
     pending: Arc<Pending>,
     tracker: Arc<NotifyTracker>,
     transport: Arc<dyn PeerTransport>,
+    /// Per-peer state of transports both sides offered but this side did not choose (RDMA
+    /// queue pairs the remote may write through).
+    passive: Vec<Arc<dyn PeerTransport>>,
     our_token: [u8; 16],
     inbound_lanes: Mutex<Vec<TcpStream>>,
     dead: AtomicBool,
@@ -146,9 +152,10 @@ impl Peer {
     pub fn id(&self) -> PeerId {
         self.inner.id
     }
-    /// The transport this engine uses towards the peer (`Tcp` or `Shm`). Each side chooses for
-    /// its own direction: shm needs the same host and permission to access the peer's memory
-    /// (probed during the handshake); otherwise tcp.
+    /// The transport this engine uses towards the peer (`Tcp`, `Shm` or `Rdma`). Each side
+    /// chooses for its own direction: shm needs the same host and permission to access the
+    /// peer's memory (probed during the handshake); rdma needs both engines to offer it (a
+    /// usable verbs device on each); otherwise tcp.
     pub fn transport(&self) -> TransportKind {
         self.inner.transport.kind()
     }
@@ -180,6 +187,20 @@ impl Peer {
     /// Whether the peer is still connected.
     pub fn is_alive(&self) -> bool {
         !self.inner.dead.load(Ordering::Acquire)
+    }
+    /// Work requests posted so far on each lane of the data path towards this peer (RDMA: one
+    /// entry per queue pair); empty for transports without per-lane accounting. For tests and
+    /// diagnostics (spread of traffic over queue pairs).
+    pub fn lane_counters(&self) -> Vec<u64> {
+        self.inner.transport.lane_counters()
+    }
+    /// How many times a lane of the data path towards this peer was re-established after an
+    /// error (RDMA: a queue pair replaced, on either side's request); 0 for other transports.
+    pub fn lanes_reestablished(&self) -> u64 {
+        std::iter::once(&self.inner.transport)
+            .chain(self.inner.passive.iter())
+            .map(|t| t.lanes_reestablished())
+            .sum()
     }
 }
 
@@ -249,13 +270,15 @@ pub(crate) fn host_identity() -> HostIdentity {
     }
 }
 
-fn wire_region(e: &RegionEntry, shm: bool) -> WireRegion {
+fn wire_region(e: &RegionEntry, shm: bool, rkey: u32) -> WireRegion {
     let (addr, fd, ino) = if shm {
         (
             e.mem.addr(),
             e.mem.memfd().map(|f| f.as_raw_fd()).unwrap_or(-1),
             e.mem.memfd_ino(),
         )
+    } else if rkey != 0 {
+        (e.mem.addr(), -1, 0)
     } else {
         (0, -1, 0)
     };
@@ -266,6 +289,7 @@ fn wire_region(e: &RegionEntry, shm: bool) -> WireRegion {
         addr,
         fd,
         ino,
+        rkey,
     }
 }
 
@@ -277,6 +301,7 @@ struct Handshaken {
     our_token: [u8; 16],
     lane_addr: SocketAddr,
     remote_blobs: Vec<(u8, Vec<u8>)>,
+    our_blobs: Vec<(u8, Vec<u8>)>,
 }
 
 impl Engine {
@@ -295,6 +320,22 @@ impl Engine {
             return Err(Error::InvalidArgument(
                 "empty secret (use None for no authentication)".into(),
             ));
+        }
+        let mut transports: Vec<Box<dyn Transport>> =
+            vec![Box::new(TcpTransport), Box::new(ShmTransport::new())];
+        // Only engines that may use RDMA open a device (Tcp/Shm engines never offer it).
+        if matches!(cfg.transport, TransportKind::Rdma | TransportKind::Auto) {
+            match RdmaTransport::open(&cfg) {
+                Ok(Some(t)) => transports.push(Box::new(t)),
+                Ok(None) if cfg.transport == TransportKind::Rdma => {
+                    return Err(Error::Unsupported(
+                        "TransportKind::Rdma, but no RDMA device is usable here".into(),
+                    ))
+                }
+                Ok(None) => {}
+                Err(e) if cfg.transport == TransportKind::Rdma => return Err(e),
+                Err(e) => tracing::info!(error = %e, "rdma not available; using tcp/shm"),
+            }
         }
         let listener = TcpListener::bind(cfg.listen)?;
         let listen_addr = listener.local_addr()?;
@@ -324,7 +365,7 @@ impl Engine {
             next_peer: AtomicU64::new(1),
             handshakes: AtomicUsize::new(0),
             copy_tx: Mutex::new(Some(copy_tx)),
-            transports: vec![Box::new(TcpTransport), Box::new(ShmTransport::new())],
+            transports,
         });
         let c = core.clone();
         std::thread::Builder::new()
@@ -382,6 +423,9 @@ impl Engine {
         let core = self.core();
         let _g = core.reg_lock.lock();
         let e = core.regions.remove(r)?;
+        for t in &core.transports {
+            t.region_removed(e.id);
+        }
         if e.access.offered() {
             core.broadcast(|_| CtrlMsg::RegionsRemoved(vec![e.id]));
         }
@@ -600,9 +644,19 @@ impl Core {
         self.check_open()?;
         let _g = self.reg_lock.lock();
         let h = self.regions.insert(mem, access)?;
+        let e = self.regions.get(h.id())?;
+        for (i, t) in self.transports.iter().enumerate() {
+            if let Err(err) = t.region_added(&e) {
+                for t in &self.transports[..i] {
+                    t.region_removed(e.id);
+                }
+                let _ = self.regions.remove(h);
+                return Err(err);
+            }
+        }
         if access.offered() {
-            let e = self.regions.get(h.id())?;
-            self.broadcast(|p| CtrlMsg::RegionsAdded(vec![wire_region(&e, p.same_host)]));
+            let rkey = self.rkey(e.id);
+            self.broadcast(|p| CtrlMsg::RegionsAdded(vec![wire_region(&e, p.same_host, rkey)]));
         }
         Ok(h)
     }
@@ -617,8 +671,23 @@ impl Core {
         }
     }
 
-    fn hello_blobs(&self) -> Vec<(u8, Vec<u8>)> {
-        let allowed = allowed_transports(self.cfg.transport);
+    fn rkey(&self, id: RegionId) -> u32 {
+        self.transports
+            .iter()
+            .map(|t| t.region_rkey(id))
+            .find(|k| *k != 0)
+            .unwrap_or(0)
+    }
+
+    fn has_rdma(&self) -> bool {
+        self.transports
+            .iter()
+            .any(|t| t.kind() == TransportKind::Rdma)
+    }
+
+    /// Our handshake blobs for the transports we allow and the peer accepts (`theirs`).
+    fn hello_blobs(&self, theirs: u8) -> Vec<(u8, Vec<u8>)> {
+        let allowed = allowed_transports(self) & theirs;
         self.transports
             .iter()
             .filter(|t| t.bit() & allowed != 0)
@@ -631,7 +700,7 @@ impl Core {
             .all()
             .iter()
             .filter(|e| e.access.offered())
-            .map(|e| wire_region(e, shm))
+            .map(|e| wire_region(e, shm, self.rkey(e.id)))
             .collect()
     }
 
@@ -663,12 +732,44 @@ impl Core {
             .iter()
             .find(|t| t.kind() == hs.kind)
             .ok_or_else(|| Error::Unsupported(format!("transport {:?} not available", hs.kind)))?;
+        let blob_of = |v: &[(u8, Vec<u8>)], bit: u8| -> Option<Vec<u8>> {
+            v.iter().find(|(k, _)| *k == bit).map(|(_, b)| b.clone())
+        };
+        let copy_tx = self.copy_tx.lock().clone().ok_or(Error::Shutdown)?;
+        let mut passive: Vec<Arc<dyn PeerTransport>> = Vec::new();
+        for other in &self.transports {
+            if other.kind() == hs.kind || !other.attach_always() {
+                continue;
+            }
+            let (Some(rb), Some(lb)) = (
+                blob_of(&hs.remote_blobs, other.bit()),
+                blob_of(&hs.our_blobs, other.bit()),
+            ) else {
+                continue;
+            };
+            match other.establish(EstablishCtx {
+                remote_blob: Some(&rb),
+                local_blob: Some(&lb),
+                remote_host: &hs.remote_host,
+                lane_addr: hs.lane_addr,
+                remote_token: hs.remote_token,
+                cfg: &self.cfg,
+                ctrl: ctrl.clone(),
+                pending: pending.clone(),
+                on_dead: on_dead.clone(),
+                copy_tx: copy_tx.clone(),
+            }) {
+                Ok(p) => passive.push(p),
+                Err(e) => {
+                    tracing::warn!(kind = ?other.kind(), error = %e, "passive transport setup failed")
+                }
+            }
+        }
+        let rb = blob_of(&hs.remote_blobs, t.bit());
+        let lb = blob_of(&hs.our_blobs, t.bit());
         let transport = t.establish(EstablishCtx {
-            remote_blob: hs
-                .remote_blobs
-                .iter()
-                .find(|(k, _)| *k == t.bit())
-                .map(|(_, b)| b.as_slice()),
+            remote_blob: rb.as_deref(),
+            local_blob: lb.as_deref(),
             remote_host: &hs.remote_host,
             lane_addr: hs.lane_addr,
             remote_token: hs.remote_token,
@@ -676,7 +777,7 @@ impl Core {
             ctrl: ctrl.clone(),
             pending: pending.clone(),
             on_dead,
-            copy_tx: self.copy_tx.lock().clone().ok_or(Error::Shutdown)?,
+            copy_tx,
         })?;
         let mut table = RemoteTable::default();
         for r in hs.remote_regions {
@@ -696,6 +797,7 @@ impl Core {
             pending,
             tracker: Arc::new(NotifyTracker::default()),
             transport,
+            passive,
             our_token: hs.our_token,
             inbound_lanes: Mutex::new(Vec::new()),
             dead: AtomicBool::new(false),
@@ -748,6 +850,9 @@ impl Core {
         self.tokens.lock().remove(&p.our_token);
         p.pending.close(reason, shutdown);
         p.transport.close();
+        for t in &p.passive {
+            t.close();
+        }
         p.tracker.clear();
         let _ = p.ctrl_stream.shutdown(Shutdown::Both);
         for s in p.inbound_lanes.lock().drain(..) {
@@ -775,11 +880,25 @@ impl Core {
 
 // ---------------------------------------------------------------- handshake
 
-fn allowed_transports(k: TransportKind) -> u8 {
-    match k {
+fn allowed_transports(core: &Core) -> u8 {
+    let rdma = if core.has_rdma() { TRANSPORT_RDMA } else { 0 };
+    match core.cfg.transport {
         TransportKind::Tcp => TRANSPORT_TCP,
         TransportKind::Shm => TRANSPORT_SHM,
-        TransportKind::Auto => TRANSPORT_TCP | TRANSPORT_SHM,
+        TransportKind::Rdma => rdma,
+        TransportKind::Auto => TRANSPORT_TCP | TRANSPORT_SHM | rdma,
+    }
+}
+
+fn prefer_rdma() -> bool {
+    std::env::var("KVWIRE_PREFER_RDMA").is_ok_and(|v| v == "1")
+}
+
+fn kind_bit(k: TransportKind) -> u8 {
+    match k {
+        TransportKind::Shm => TRANSPORT_SHM,
+        TransportKind::Rdma => TRANSPORT_RDMA,
+        TransportKind::Tcp | TransportKind::Auto => TRANSPORT_TCP,
     }
 }
 
@@ -791,9 +910,14 @@ fn choose_transport(
     rhost: &HostIdentity,
     rblobs: &[(u8, Vec<u8>)],
 ) -> Result<TransportKind, Error> {
-    let ours = allowed_transports(core.cfg.transport);
+    let ours = allowed_transports(core);
     let both = ours & theirs;
-    for t in &core.transports {
+    // Shared memory before RDMA on one host, unless `KVWIRE_PREFER_RDMA=1`.
+    let mut order: Vec<&dyn Transport> = core.transports.iter().map(|t| t.as_ref()).collect();
+    if prefer_rdma() {
+        order.sort_by_key(|t| t.kind() != TransportKind::Rdma);
+    }
+    for t in order {
         if both & t.bit() == 0 || t.kind() == TransportKind::Tcp {
             continue;
         }
@@ -830,14 +954,15 @@ fn initiator_handshake(
 ) -> Result<Handshaken, Error> {
     let nonce_i: [u8; 32] = auth::random();
     let secret = core.cfg.secret.as_deref();
+    let our_blobs = core.hello_blobs(u8::MAX);
     s.write_all(
         &CtrlMsg::Hello {
             nonce: nonce_i,
             auth: secret.is_some(),
             host: core.host.clone(),
             listen_port: core.listen_addr.port(),
-            transports: allowed_transports(core.cfg.transport),
-            blobs: core.hello_blobs(),
+            transports: allowed_transports(core),
+            blobs: our_blobs.clone(),
         }
         .encode(),
     )?;
@@ -885,11 +1010,7 @@ fn initiator_handshake(
     s.write_all(
         &CtrlMsg::Auth {
             mac: mac_i,
-            transport: if kind == TransportKind::Shm {
-                TRANSPORT_SHM
-            } else {
-                TRANSPORT_TCP
-            },
+            transport: kind_bit(kind),
             token: our_token,
             regions: core.offered_wire(same),
         }
@@ -908,6 +1029,7 @@ fn initiator_handshake(
         our_token,
         lane_addr: addr,
         remote_blobs: rblobs,
+        our_blobs,
     })
 }
 
@@ -930,7 +1052,8 @@ fn responder_handshake(
     let secret = core.cfg.secret.as_deref();
     let nonce_r: [u8; 32] = auth::random();
     let our_token: [u8; 16] = auth::random();
-    let ours = allowed_transports(core.cfg.transport);
+    let our_blobs = core.hello_blobs(itransports);
+    let ours = allowed_transports(core);
     if ours & itransports == 0 {
         let e = Error::Unsupported(format!(
             "no common transport (ours {ours:#x}, theirs {itransports:#x})"
@@ -948,7 +1071,7 @@ fn responder_handshake(
             host: core.host.clone(),
             transports: ours,
             token: our_token,
-            blobs: core.hello_blobs(),
+            blobs: our_blobs.clone(),
         }
         .encode(),
     )?;
@@ -990,6 +1113,7 @@ fn responder_handshake(
         our_token,
         lane_addr: SocketAddr::new(peer_ip, listen_port),
         remote_blobs: iblobs,
+        our_blobs,
     })
 }
 
@@ -1134,6 +1258,20 @@ fn ctrl_loop(core: Weak<Core>, p: Arc<PeerInner>, mut s: TcpStream) {
             CtrlMsg::Notify(tag) => {
                 if let Some(c) = core.upgrade() {
                     c.notify.push(Notification { peer: p.id, tag });
+                }
+            }
+            CtrlMsg::Transport { bit, data } => {
+                let t = std::iter::once(&p.transport)
+                    .chain(p.passive.iter())
+                    .find(|t| kind_bit(t.kind()) == bit);
+                let r = match t {
+                    Some(t) => t.on_ctrl(&data),
+                    None => Err(Error::Protocol(format!(
+                        "transport message for {bit:#x}, which is not in use"
+                    ))),
+                };
+                if let Err(e) = r {
+                    break format!("transport message: {e}");
                 }
             }
             m => break format!("unexpected control message {m:?}"),

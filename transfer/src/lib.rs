@@ -7,9 +7,13 @@
 //! batch landed ([`Engine::notifications`]).
 //!
 //! Transports: `tcp` (persistent multi-lane connections, pipelined slices, target-side bounds
-//! checks before a byte lands) and `shm` for peers on one host (the target's memfd regions mapped
-//! and copied into; `process_vm_writev` for caller memory). [`TransportKind::Auto`] picks shm when
-//! both engines share a host, tcp otherwise.
+//! checks before a byte lands), `shm` for peers on one host (the target's memfd regions mapped
+//! and copied into; `process_vm_writev` for caller memory) and `rdma` (RC queue pairs on one
+//! verbs device per engine, one-sided WRITE/READ striped over `lanes` queue pairs, every region
+//! registered as a memory region so the NIC enforces its bounds; offered only when libibverbs
+//! loads at run time and a device is usable). [`TransportKind::Auto`] picks shm when both
+//! engines share a host, rdma when both offer it (first, with `KVWIRE_PREFER_RDMA=1`), tcp
+//! otherwise.
 //!
 //! ```
 //! use kvwire_transfer::{Access, Engine, EngineConfig, Op};

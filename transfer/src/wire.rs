@@ -16,7 +16,7 @@ use crate::error::Error;
 use crate::region::{Access, RegionId};
 
 /// Protocol version spoken by this build.
-pub const PROTOCOL_VERSION: u16 = 1;
+pub const PROTOCOL_VERSION: u16 = 2;
 /// Magic of data-lane frames.
 pub const FRAME_MAGIC: [u8; 4] = *b"KVWF";
 /// Magic of control messages.
@@ -29,6 +29,8 @@ pub const CTRL_HEADER_LEN: usize = 12;
 pub const MAX_SLICE: u32 = 16 << 20;
 /// Largest notification tag.
 pub const MAX_TAG: u32 = 64 << 10;
+/// Largest payload of a `CtrlMsg::Transport` message.
+pub const MAX_TRANSPORT_MSG: usize = 4096;
 /// Largest error payload.
 pub const MAX_ERROR_PAYLOAD: u32 = 4096;
 /// Largest control message body.
@@ -365,12 +367,17 @@ pub struct WireRegion {
     pub fd: i32,
     /// Same-host keys: inode of the memfd (checked after opening it).
     pub ino: u64,
+    /// RDMA remote key of the region's memory registration (0 = not registered for RDMA);
+    /// `addr` is then the region's virtual address.
+    pub rkey: u32,
 }
 
 /// Transport bits in `Hello.transports`.
 pub const TRANSPORT_TCP: u8 = 1;
 /// Shared memory supported.
 pub const TRANSPORT_SHM: u8 = 2;
+/// RDMA (RC queue pairs) supported.
+pub const TRANSPORT_RDMA: u8 = 4;
 
 /// Control messages.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -445,6 +452,14 @@ pub enum CtrlMsg {
     Notify(Vec<u8>),
     /// The full current list of offered regions (replaces the receiver's view).
     RegionsSet(Vec<WireRegion>),
+    /// A transport's own message on the control connection (RDMA: queue pair reconnection),
+    /// `bit` naming the transport (`TRANSPORT_*`).
+    Transport {
+        /// The transport's bit.
+        bit: u8,
+        /// Its payload (at most [`MAX_TRANSPORT_MSG`] bytes).
+        data: Vec<u8>,
+    },
 }
 
 impl CtrlMsg {
@@ -461,6 +476,7 @@ impl CtrlMsg {
             CtrlMsg::RegionsRemoved(_) => 9,
             CtrlMsg::Notify(_) => 10,
             CtrlMsg::RegionsSet(_) => 11,
+            CtrlMsg::Transport { .. } => 12,
         }
     }
 
@@ -533,6 +549,10 @@ impl CtrlMsg {
             }
             CtrlMsg::Notify(tag) => w.bytes(tag),
             CtrlMsg::RegionsSet(r) => w.regions(r),
+            CtrlMsg::Transport { bit, data } => {
+                w.u8(*bit);
+                w.bytes(data);
+            }
         }
         let body = (w.buf.len() - CTRL_HEADER_LEN) as u32;
         w.buf[8..12].copy_from_slice(&body.to_le_bytes());
@@ -614,6 +634,10 @@ impl CtrlMsg {
             }
             10 => CtrlMsg::Notify(r.bytes(MAX_TAG as usize)?),
             11 => CtrlMsg::RegionsSet(r.regions()?),
+            12 => CtrlMsg::Transport {
+                bit: r.u8()?,
+                data: r.bytes(MAX_TRANSPORT_MSG)?,
+            },
             k => return Err(Error::Protocol(format!("unknown control message kind {k}"))),
         };
         if !r.rest().is_empty() {
@@ -711,6 +735,7 @@ impl Writer {
             self.u64(r.addr);
             self.u32(r.fd as u32);
             self.u64(r.ino);
+            self.u32(r.rkey);
         }
     }
 }
@@ -809,7 +834,7 @@ impl<'a> Reader<'a> {
         Ok(v)
     }
     fn regions(&mut self) -> Result<Vec<WireRegion>, Error> {
-        let n = self.count(37)?;
+        let n = self.count(41)?;
         let mut v = Vec::with_capacity(n);
         for _ in 0..n {
             let id = RegionId {
@@ -827,6 +852,7 @@ impl<'a> Reader<'a> {
                 addr: self.u64()?,
                 fd: self.u32()? as i32,
                 ino: self.u64()?,
+                rkey: self.u32()?,
             });
         }
         Ok(v)

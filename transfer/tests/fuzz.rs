@@ -50,6 +50,7 @@ fn region() -> impl Strategy<Value = WireRegion> {
                 addr,
                 fd,
                 ino,
+                rkey: (addr >> 7) as u32,
             },
         )
 }
@@ -136,6 +137,7 @@ fn ctrl_msg() -> impl Strategy<Value = CtrlMsg> {
             )
         }),
         bytes(200).prop_map(CtrlMsg::Notify),
+        (any::<u8>(), bytes(64)).prop_map(|(bit, data)| CtrlMsg::Transport { bit, data }),
     ]
 }
 

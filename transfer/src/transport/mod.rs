@@ -19,7 +19,15 @@
 //!    Target-side arrivals go through [`TargetCtx`] (region checks, notification tracking).
 //! 5. **Close**: [`PeerTransport::close`] when the peer dies or the engine shuts down; every
 //!    in-flight batch is failed by the engine's `Pending` map.
+//!
+//! The RDMA transport (`rdma`) also uses: per-handshake blobs (fresh QPs keyed by a nonce,
+//! claimed in `establish` through [`EstablishCtx::local_blob`]), region hooks
+//! ([`Transport::region_added`] registers an MR whose rkey goes into `WireRegion::rkey`),
+//! passive attachment ([`Transport::attach_always`]: QPs are connected on both ends even when
+//! only one side writes through them) and its own control messages
+//! ([`PeerTransport::on_ctrl`], `CtrlMsg::Transport`: QP re-establishment after errors).
 
+pub(crate) mod rdma;
 pub(crate) mod shm;
 pub(crate) mod tcp;
 
@@ -88,6 +96,21 @@ pub(crate) trait PeerTransport: Send + Sync {
     }
     /// The remote withdrew these regions (drop cached mappings/keys).
     fn regions_removed(&self, _ids: &[crate::region::RegionId]) {}
+    /// Work requests posted per lane so far (RDMA queue pairs; empty for other transports).
+    fn lane_counters(&self) -> Vec<u64> {
+        Vec::new()
+    }
+    /// Lanes re-established after errors so far (RDMA queue pairs replaced).
+    fn lanes_reestablished(&self) -> u64 {
+        0
+    }
+    /// A `CtrlMsg::Transport` message for this transport from the peer.
+    fn on_ctrl(&self, _data: &[u8]) -> Result<(), Error> {
+        Err(Error::Protocol(format!(
+            "transport message for {:?}, which has none",
+            self.kind()
+        )))
+    }
     /// Tear down (peer dead or engine shutdown).
     fn close(&self);
 }
@@ -97,6 +120,8 @@ pub(crate) struct EstablishCtx<'a> {
     /// The remote's blob for this transport (from `Hello`/`HelloReply`), if it sent one.
     #[allow(dead_code)]
     pub remote_blob: Option<&'a [u8]>,
+    /// The blob we sent the remote for this transport in this handshake, if any.
+    pub local_blob: Option<&'a [u8]>,
     /// Where the remote runs (pid for same-host transports).
     pub remote_host: &'a HostIdentity,
     /// Where to open data connections to the remote (its listen address) and the token to show.
@@ -128,6 +153,22 @@ pub(crate) trait Transport: Send + Sync {
     /// Whether this transport can reach a peer (host identity, the peer's blob for it).
     fn usable_with(&self, _remote_host: &HostIdentity, _remote_blob: Option<&[u8]>) -> bool {
         true
+    }
+    /// Whether the per-peer state must be built whenever both sides offered this transport,
+    /// even when this side chose another one (the remote may still use it towards us: RDMA
+    /// queue pairs must be connected on both ends).
+    fn attach_always(&self) -> bool {
+        false
+    }
+    /// A local region was added (RDMA: register its memory).
+    fn region_added(&self, _e: &RegionEntry) -> Result<(), Error> {
+        Ok(())
+    }
+    /// A local region was removed (RDMA: deregister it).
+    fn region_removed(&self, _id: crate::region::RegionId) {}
+    /// The RDMA key peers use for a local region (0 = none).
+    fn region_rkey(&self, _id: crate::region::RegionId) -> u32 {
+        0
     }
     /// Builds the per-peer state once this side chose this transport towards the peer.
     fn establish(&self, ctx: EstablishCtx<'_>) -> Result<Arc<dyn PeerTransport>, Error>;
