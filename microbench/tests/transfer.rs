@@ -1,0 +1,344 @@
+//! The transfer bench end to end on loopback: target and initiator in one process
+//! (library API), and the CLI with its own target process. Every run checks every byte.
+
+use std::net::SocketAddr;
+use std::time::{Duration, Instant};
+
+use kvwire_bench::report::Pattern;
+use kvwire_bench::target::TargetFault;
+use kvwire_bench::{run, BenchError, Plan, Report, RunConfig, ServeConfig, Target};
+use kvwire_transfer::{Access, Engine, EngineConfig, Op, TransportKind};
+
+fn loopback() -> SocketAddr {
+    SocketAddr::from(([127, 0, 0, 1], 0))
+}
+
+fn target(transport: TransportKind, fault: Option<TargetFault>, secret: Option<&[u8]>) -> Target {
+    Target::start(ServeConfig {
+        listen: loopback(),
+        secret: secret.map(|s| s.to_vec()),
+        transport,
+        region_len: Plan::quick().data_region_len(),
+        fault,
+    })
+    .expect("target starts")
+}
+
+fn bench(
+    t: &Target,
+    transport: TransportKind,
+    secret: Option<&[u8]>,
+) -> Result<Report, BenchError> {
+    run(&RunConfig {
+        target: t.addr(),
+        secret: secret.map(|s| s.to_vec()),
+        transport,
+        listen: loopback(),
+        plan: Plan::quick(),
+        progress: false,
+        lanes: None,
+        slice_size: None,
+    })
+}
+
+fn assert_complete(r: &Report, transport: &str) {
+    assert_eq!(r.engine, "kvwire");
+    assert_eq!(r.transport, transport);
+    let plan = Plan::quick();
+    for p in [Pattern::Serial, Pattern::Batch, Pattern::Read] {
+        for &s in &plan.sizes {
+            let row = r
+                .results
+                .iter()
+                .find(|x| x.pattern == p && x.size == s)
+                .unwrap_or_else(|| panic!("missing {p:?} row for {s}"));
+            assert!(row.ops > 0 && row.gbps > 0.0 && row.p50_us > 0.0, "{row:?}");
+        }
+    }
+    let kv = r
+        .results
+        .iter()
+        .find(|x| x.pattern == Pattern::KvLayer)
+        .expect("kv row");
+    assert_eq!(
+        kv.ops,
+        (plan.kv_rounds * plan.kv_layers * plan.kv_blocks) as u64
+    );
+    // the target checked every tag the initiator sent, and at least every written byte
+    let c = &r.check;
+    assert_eq!(c.tags_seen, c.tags_sent);
+    assert_eq!(c.verified_tags, c.tags_sent);
+    let written: u64 = r
+        .results
+        .iter()
+        .filter(|x| x.pattern != Pattern::Read)
+        .map(|x| x.ops * x.size)
+        .sum();
+    assert!(
+        c.verified_bytes >= written,
+        "{} < {written}",
+        c.verified_bytes
+    );
+    let read: u64 = r
+        .results
+        .iter()
+        .filter(|x| x.pattern == Pattern::Read)
+        .map(|x| x.ops * x.size)
+        .sum();
+    assert!(c.read_bytes_checked >= read + plan.kv_round_bytes());
+}
+
+#[test]
+fn tcp_every_byte_verified() {
+    let t = target(TransportKind::Auto, None, None);
+    let r = bench(&t, TransportKind::Tcp, None).expect("bench runs");
+    assert!(r.verified, "{}", r.table());
+    assert_complete(&r, "tcp");
+    assert!(r.results.iter().all(|x| x.verified));
+}
+
+#[test]
+fn shm_every_byte_verified() {
+    let t = target(TransportKind::Auto, None, None);
+    let r = bench(&t, TransportKind::Shm, None).expect("bench runs");
+    assert!(r.verified, "{}", r.table());
+    assert_complete(&r, "shm");
+}
+
+#[test]
+fn secret_shared_by_both_sides_works() {
+    let t = target(TransportKind::Auto, None, Some(b"s3cret"));
+    let r = bench(&t, TransportKind::Tcp, Some(b"s3cret")).expect("bench runs");
+    assert!(r.verified);
+}
+
+#[test]
+fn wrong_secret_is_refused() {
+    let t = target(TransportKind::Auto, None, Some(b"right"));
+    match bench(&t, TransportKind::Tcp, Some(b"wrong")) {
+        Err(BenchError::Engine { source, .. }) => {
+            assert!(
+                matches!(source, kvwire_transfer::Error::AuthFailed),
+                "unexpected engine error: {source}"
+            )
+        }
+        other => panic!(
+            "expected an authentication failure, got {:?}",
+            other.map(|r| r.verified)
+        ),
+    }
+}
+
+/// Bytes corrupted on the target after they landed are caught twice: by the target's
+/// check of the batch and by the initiator's read-back.
+#[test]
+fn corrupted_bytes_are_detected() {
+    for transport in [TransportKind::Tcp, TransportKind::Shm] {
+        // measured batch 1 is the first serial write (slot 0, read back later)
+        let t = target(
+            TransportKind::Auto,
+            Some(TargetFault::CorruptBeforeVerify { nth: 1 }),
+            None,
+        );
+        let r = bench(&t, transport, None).expect("bench runs to the end");
+        assert!(!r.verified, "{transport:?}: corruption went unnoticed");
+        assert_eq!(r.check.mismatches, 1, "{transport:?}");
+        assert!(r.check.read_mismatches >= 1, "{transport:?}");
+        let first = &r.results[0];
+        assert_eq!(first.pattern, Pattern::Serial);
+        assert!(!first.verified);
+        let read = r
+            .results
+            .iter()
+            .find(|x| x.pattern == Pattern::Read && x.size == first.size)
+            .unwrap();
+        assert!(!read.verified);
+        // the other phases still verify
+        assert!(r
+            .results
+            .iter()
+            .filter(|x| x.size != first.size)
+            .all(|x| x.verified));
+    }
+}
+
+#[test]
+fn target_region_too_small_is_a_plan_error() {
+    let t = Target::start(ServeConfig {
+        listen: loopback(),
+        secret: None,
+        transport: TransportKind::Auto,
+        region_len: 1 << 20,
+        fault: None,
+    })
+    .unwrap();
+    match bench(&t, TransportKind::Tcp, None) {
+        Err(BenchError::Plan(msg)) => assert!(msg.contains("--region-size"), "{msg}"),
+        other => panic!("expected a plan error, got {:?}", other.map(|r| r.verified)),
+    }
+}
+
+/// Notifications that are not bench tags are counted, not trusted, and the target keeps
+/// serving.
+#[test]
+fn garbage_notifications_do_not_break_the_target() {
+    let t = target(TransportKind::Auto, None, None);
+    let e = Engine::new(EngineConfig {
+        transport: TransportKind::Tcp,
+        ..EngineConfig::default()
+    })
+    .unwrap();
+    let peer = e.connect(t.addr()).unwrap();
+    let ctrl = peer.regions().into_iter().find(|r| r.len == 4096).unwrap();
+    let src = e.alloc_region(4096, Access::Local).unwrap();
+    let op = Op {
+        local: src,
+        local_offset: 0,
+        remote: ctrl.id,
+        remote_offset: 2048,
+        len: 8,
+    };
+    for tag in [
+        &b"not a tag"[..],
+        &[0u8; 36][..],
+        &b"KVWB\x01\x01\xff\xff"[..],
+    ] {
+        e.write(&peer, std::slice::from_ref(&op), Some(tag), None)
+            .unwrap()
+            .wait()
+            .unwrap();
+    }
+    let t0 = Instant::now();
+    while t.verdict().bad_tags < 3 {
+        assert!(
+            t0.elapsed() < Duration::from_secs(30),
+            "bad tags not counted: {:?}",
+            t.verdict()
+        );
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    e.shutdown();
+    let r = bench(&t, TransportKind::Tcp, None).expect("bench runs");
+    assert!(r.verified, "{}", r.table());
+}
+
+fn cli(args: &[&str]) -> std::process::Output {
+    std::process::Command::new(env!("CARGO_BIN_EXE_kvwire-bench"))
+        .args(args)
+        .env_remove("KVWIRE_BENCH_SECRET")
+        .output()
+        .expect("runs kvwire-bench")
+}
+
+/// The CLI with no target starts its own target process and writes the JSON format of
+/// DESIGN.md.
+#[test]
+fn cli_quick_with_own_target_process() {
+    let dir = std::env::temp_dir().join(format!("kvwire-bench-cli-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    for transport in ["tcp", "shm"] {
+        let json = dir.join(format!("{transport}.json"));
+        let out = cli(&[
+            "transfer",
+            "--quick",
+            "--no-progress",
+            "--transport",
+            transport,
+            "--secret",
+            "x",
+            "--json",
+            json.to_str().unwrap(),
+        ]);
+        let stdout = String::from_utf8_lossy(&out.stdout);
+        assert!(
+            out.status.success(),
+            "{transport}: {}\n{stdout}\n{}",
+            out.status,
+            String::from_utf8_lossy(&out.stderr)
+        );
+        assert!(
+            stdout.contains("serial_GBps") && stdout.contains("KV 4x8x64KiB"),
+            "{stdout}"
+        );
+        let v: serde_json::Value = serde_json::from_slice(&std::fs::read(&json).unwrap()).unwrap();
+        assert_eq!(v["engine"], "kvwire");
+        assert_eq!(v["transport"], transport);
+        assert_eq!(v["verified"], true);
+        let rows = v["results"].as_array().unwrap();
+        for p in ["serial", "batch", "kv_layer", "read"] {
+            assert!(rows.iter().any(|r| r["pattern"] == p), "{p}");
+        }
+        assert!(rows.iter().all(|r| r["verified"] == true));
+    }
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+#[test]
+fn cli_rejects_bad_arguments() {
+    let out = cli(&["transfer", "--serve", "--target", "127.0.0.1:1"]);
+    assert!(!out.status.success());
+    let out = cli(&["transfer", "--sizes", "abc"]);
+    assert!(!out.status.success());
+    // nothing listens on port 1 of loopback: a clear error and exit code 1
+    let out = cli(&[
+        "transfer",
+        "--quick",
+        "--no-progress",
+        "--target",
+        "127.0.0.1:1",
+    ]);
+    assert_eq!(out.status.code(), Some(1));
+    assert!(String::from_utf8_lossy(&out.stderr).contains("connecting to the target"));
+}
+
+/// Two processes started separately (--serve, then --target): a target that corrupts one
+/// batch makes the initiator report `verified: false` and exit with code 2.
+#[test]
+fn cli_serve_and_target_detects_corruption() {
+    use std::io::BufRead;
+    let mut server = std::process::Command::new(env!("CARGO_BIN_EXE_kvwire-bench"))
+        .args([
+            "transfer",
+            "--serve",
+            "--listen",
+            "127.0.0.1:0",
+            "--region-size",
+            "16M",
+            "--exit-on-stdin-eof",
+            "--fault-corrupt-nth",
+            "2",
+        ])
+        .env_remove("KVWIRE_BENCH_SECRET")
+        .stdin(std::process::Stdio::piped())
+        .stdout(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    let mut line = String::new();
+    std::io::BufReader::new(server.stdout.take().unwrap())
+        .read_line(&mut line)
+        .unwrap();
+    let addr = line
+        .strip_prefix(kvwire_bench::spawn::READY_PREFIX)
+        .unwrap_or_else(|| panic!("no ready line: {line:?}"))
+        .trim()
+        .to_string();
+    let json = std::env::temp_dir().join(format!("kvwire-bench-fault-{}.json", std::process::id()));
+    let out = cli(&[
+        "transfer",
+        "--quick",
+        "--no-progress",
+        "--target",
+        &addr,
+        "--json",
+        json.to_str().unwrap(),
+    ]);
+    drop(server.stdin.take());
+    let _ = server.wait();
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert_eq!(out.status.code(), Some(2), "{stdout}");
+    assert!(stdout.contains("verified=N"), "{stdout}");
+    let v: serde_json::Value = serde_json::from_slice(&std::fs::read(&json).unwrap()).unwrap();
+    assert_eq!(v["verified"], false);
+    assert_eq!(v["check"]["mismatches"], 1);
+    let _ = std::fs::remove_file(&json);
+}
