@@ -726,7 +726,6 @@ struct CudaMem {
     compute: Arc<kvwire_transfer::cuda::driver_api::CudaStream>,
     stager: Arc<kvwire_transfer::cuda::CudaStager>,
     space: SrcSpace,
-    _kv: kvwire_transfer::cuda::driver_api::CudaSlice<u8>,
 }
 
 /// The source image uploaded to device 0, and a stager for it; `None` (with a loud line)
@@ -749,16 +748,14 @@ fn cuda_memory(side: &Side, geo: &Geometry) -> Result<Option<CudaMem>, BenchErro
     let buf = geo.layer_bytes().min(8 << 20) as usize;
     let stager = cuda::CudaStager::new(&side.engine, ctx.clone(), 4, buf)
         .map_err(|e| BenchError::Plan(format!("cuda stager: {e}")))?;
-    let p = cuda::device_ptr(&kv, &compute);
-    // SAFETY: `kv` lives in the returned CudaMem as long as the stager is used.
-    let space = unsafe { stager.register_device(p, side.img.len() as u64) }
+    let space = stager
+        .register_owned(kv, &compute)
         .map_err(|e| BenchError::Plan(format!("cuda: {e}")))?;
     Ok(Some(CudaMem {
         ctx,
         compute,
         stager,
         space,
-        _kv: kv,
     }))
 }
 
@@ -876,14 +873,11 @@ fn one_request(
         match mem {
             Memory::Host => lay(stream.layer_ready(l, Immediate), "layer_ready"),
             Memory::Cuda(c) => {
-                // SAFETY: the compute stream belongs to `c.ctx` and outlives the stream.
-                let ev = unsafe {
-                    kvwire_transfer::cuda::EventReadiness::record_on(
-                        c.ctx.clone(),
-                        c.stager.waiter(),
-                        c.compute.cu_stream() as usize as u64,
-                    )
-                }
+                let ev = kvwire_transfer::cuda::EventReadiness::record_on_stream(
+                    c.ctx.clone(),
+                    c.stager.waiter(),
+                    &c.compute,
+                )
                 .map_err(|e| BenchError::Plan(format!("cuda event: {e}")))?;
                 lay(stream.layer_ready(l, ev), "layer_ready")
             }

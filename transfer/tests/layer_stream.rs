@@ -880,16 +880,10 @@ fn cuda_device_kv_streams_layers() {
         .unwrap();
         for (l, t) in tensors.iter_mut().enumerate() {
             let part = &img[l * per_layer as usize..(l + 1) * per_layer as usize];
-            compute.memcpy_htod(part, t).unwrap(); // the layer's "compute"
-                                                   // SAFETY: the compute stream belongs to `ctx` and outlives the stream.
-            let ev = unsafe {
-                EventReadiness::record_on(
-                    ctx.clone(),
-                    stager.waiter(),
-                    compute.cu_stream() as usize as u64,
-                )
-            }
-            .unwrap();
+            // the layer's "compute"
+            compute.memcpy_htod(part, t).unwrap();
+            let ev =
+                EventReadiness::record_on_stream(ctx.clone(), stager.waiter(), &compute).unwrap();
             s.layer_ready(l, ev).unwrap();
         }
         let stats = s.wait().unwrap();

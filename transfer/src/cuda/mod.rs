@@ -242,6 +242,26 @@ impl EventReadiness {
     }
 }
 
+impl EventReadiness {
+    /// Safe form of [`EventReadiness::record_on`] for a cudarc stream: records a new event on
+    /// `stream`, which must belong to `ctx` (checked).
+    pub fn record_on_stream(
+        ctx: Arc<CudaContext>,
+        waiter: Arc<EventWaiter>,
+        stream: &Arc<cudarc::driver::CudaStream>,
+    ) -> Result<Self, CudaError> {
+        if !Arc::ptr_eq(stream.context(), &ctx) {
+            return Err(CudaError::InvalidArgument(
+                "the stream belongs to another context".into(),
+            ));
+        }
+        let raw = stream.cu_stream() as usize as u64;
+        // SAFETY: `raw` is the live `CUstream` of `stream`, a stream of `ctx` (checked above),
+        // borrowed for the duration of this call; the event is recorded before we return.
+        unsafe { Self::record_on(ctx, waiter, raw) }
+    }
+}
+
 impl Drop for EventReadiness {
     fn drop(&mut self) {
         if self.owned && self.ctx.bind_to_thread().is_ok() {
@@ -290,6 +310,9 @@ pub struct CudaStager {
     waiter: Arc<EventWaiter>,
     /// Device memory sources: (device pointer, length), indexed by `SrcSpace::Device` id.
     devices: Mutex<Vec<(u64, u64)>>,
+    /// Device allocations handed over with [`CudaStager::register_owned`], kept alive as long
+    /// as the stager.
+    owned: Mutex<Vec<cudarc::driver::CudaSlice<u8>>>,
 }
 
 impl std::fmt::Debug for CudaStager {
@@ -380,6 +403,7 @@ impl CudaStager {
             pool,
             waiter,
             devices: Mutex::new(Vec::new()),
+            owned: Mutex::new(Vec::new()),
         }))
     }
 
@@ -408,6 +432,29 @@ impl CudaStager {
             .map_err(|_| CudaError::InvalidArgument("too many device ranges".into()))?;
         d.push((dptr, len));
         Ok(SrcSpace::Device(id))
+    }
+
+    /// Safe form of [`CudaStager::register_device`] for memory allocated with cudarc: the
+    /// stager takes the allocation and keeps it alive as long as itself, so the range stays
+    /// valid for every stream that stages from it. `stream` orders the pointer lookup.
+    pub fn register_owned(
+        &self,
+        mem: cudarc::driver::CudaSlice<u8>,
+        stream: &Arc<cudarc::driver::CudaStream>,
+    ) -> Result<SrcSpace, CudaError> {
+        if !Arc::ptr_eq(stream.context(), &self.ctx) {
+            return Err(CudaError::InvalidArgument(
+                "the allocation's stream belongs to another context".into(),
+            ));
+        }
+        let ptr = device_ptr(&mem, stream);
+        let len = mem.len() as u64;
+        // SAFETY: `mem` is a live allocation of this stager's context (checked above) of `len`
+        // bytes at `ptr`; it is moved into `self.owned` below and so stays allocated as long as
+        // the stager, which outlives every stream staging from it.
+        let space = unsafe { self.register_device(ptr, len) }?;
+        self.owned.lock().push(mem);
+        Ok(space)
     }
 
     fn resolve(
