@@ -47,9 +47,10 @@ pub fn parse_transport(s: &str) -> PyResult<TransportKind> {
         "auto" => TransportKind::Auto,
         "tcp" => TransportKind::Tcp,
         "shm" => TransportKind::Shm,
+        "rdma" => TransportKind::Rdma,
         other => {
             return Err(invalid(format!(
-                "unknown transport {other:?} (auto, tcp, shm)"
+                "unknown transport {other:?} (auto, tcp, shm, rdma)"
             )))
         }
     })
@@ -61,6 +62,7 @@ pub fn transport_name(t: TransportKind) -> &'static str {
         TransportKind::Auto => "auto",
         TransportKind::Tcp => "tcp",
         TransportKind::Shm => "shm",
+        TransportKind::Rdma => "rdma",
         #[allow(unreachable_patterns)]
         _ => "other",
     }
@@ -573,6 +575,92 @@ impl PyEngine {
         out.set_item("addr", d.addr.to_string())?;
         let regions: Vec<PyRemoteRegion> = d.regions.into_iter().map(Into::into).collect();
         out.set_item("regions", regions)?;
+        Ok(out)
+    }
+
+    /// The engine's metrics as a dict: scalar counters and gauges, `"transports"`
+    /// (`{"tcp": {...}, "shm": {...}, "rdma": {...}}`), `"latency"` (histograms: transport,
+    /// size class, cumulative `(le_seconds, count)` buckets, sum, count), `"peers"`, `"errors"`
+    /// (`{stage: {kind: count}}`) and `"prometheus_text"` (the exposition text).
+    fn metrics<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
+        let m = self.engine.metrics();
+        let out = PyDict::new(py);
+        for (k, v) in [
+            ("inflight_bytes", m.inflight_bytes),
+            ("inflight_slices", m.inflight_slices),
+            ("inflight_batches", m.inflight_batches),
+            ("lanes_reestablished", m.lanes_reestablished),
+            ("reposts", m.reposts),
+            ("registrations", m.registrations),
+            ("registered_bytes", m.registered_bytes),
+            ("unregistrations", m.unregistrations),
+            ("regions", m.regions),
+            ("region_bytes", m.region_bytes),
+            ("connections_outbound", m.connections_outbound),
+            ("connections_inbound", m.connections_inbound),
+            ("disconnects", m.disconnects),
+            ("peers_connected", m.peers_connected),
+            ("notifications_delivered", m.notifications_delivered),
+            ("notifications_dropped", m.notifications_dropped),
+            ("notifications_suppressed", m.notifications_suppressed),
+        ] {
+            out.set_item(k, v)?;
+        }
+        out.set_item("registration_seconds", m.registration_seconds)?;
+        let transports = PyDict::new(py);
+        for t in &m.transports {
+            let d = PyDict::new(py);
+            d.set_item("write_bytes", t.write_bytes)?;
+            d.set_item("read_bytes", t.read_bytes)?;
+            d.set_item("write_batches", t.write_batches)?;
+            d.set_item("read_batches", t.read_batches)?;
+            d.set_item("ops", t.ops)?;
+            d.set_item("slices", t.slices)?;
+            d.set_item("failed_batches", t.failed_batches)?;
+            transports.set_item(transport_name(t.transport), d)?;
+        }
+        out.set_item("transports", transports)?;
+        let mut latency = Vec::with_capacity(m.latency.len());
+        for h in &m.latency {
+            let d = PyDict::new(py);
+            d.set_item("transport", transport_name(h.transport))?;
+            d.set_item("size", h.size_class)?;
+            d.set_item("buckets", h.buckets.clone())?;
+            d.set_item("sum_seconds", h.sum_seconds)?;
+            d.set_item("count", h.count)?;
+            latency.push(d);
+        }
+        out.set_item("latency", latency)?;
+        let mut peers = Vec::with_capacity(m.peers.len());
+        for p in &m.peers {
+            let d = PyDict::new(py);
+            d.set_item("id", p.id)?;
+            d.set_item("remote_addr", p.remote_addr.to_string())?;
+            d.set_item("transport", transport_name(p.transport))?;
+            d.set_item("write_bytes", p.write_bytes)?;
+            d.set_item("read_bytes", p.read_bytes)?;
+            d.set_item("batches", p.batches)?;
+            d.set_item("failed_batches", p.failed_batches)?;
+            d.set_item("ops", p.ops)?;
+            d.set_item("lanes_reestablished", p.lanes_reestablished)?;
+            d.set_item("reposts", p.reposts)?;
+            peers.push(d);
+        }
+        out.set_item("peers", peers)?;
+        let errors = PyDict::new(py);
+        for e in &m.errors {
+            let stage = match errors.get_item(e.stage)? {
+                Some(d) => d.cast_into::<PyDict>()?,
+                None => {
+                    let d = PyDict::new(py);
+                    errors.set_item(e.stage, &d)?;
+                    d
+                }
+            };
+            stage.set_item(e.kind, e.count)?;
+        }
+        out.set_item("errors", errors)?;
+        out.set_item("prometheus_text", m.to_prometheus_text())?;
         Ok(out)
     }
 

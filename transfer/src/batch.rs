@@ -12,7 +12,9 @@ use parking_lot::{Condvar, Mutex};
 
 use crate::config::TransportKind;
 use crate::error::Error;
+use crate::metrics::PeerObs;
 use crate::region::RegionEntry;
+use crate::transport::{Dir, Posted};
 
 /// What a completed batch did.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -57,6 +59,10 @@ pub(crate) struct BatchState {
     /// Run once when the batch fails, before anyone sees the error (a transport stops its data
     /// path from touching the batch's memory afterwards, e.g. RDMA READs at a deadline).
     on_fail: Mutex<Option<FailHook>>,
+    /// A read batch (metrics: direction of the bytes).
+    read: bool,
+    /// When the batch was submitted (metrics: latency).
+    start: Option<Instant>,
 }
 
 /// See [`BatchState::set_on_fail`].
@@ -86,7 +92,19 @@ impl BatchState {
             pending: Mutex::new(None),
             timer: Arc::downgrade(timer),
             on_fail: Mutex::new(None),
+            read: false,
+            start: None,
         })
+    }
+
+    /// Takes the direction and submit time of the batch it was created for (right after
+    /// `new`, while the state is not shared yet).
+    pub fn posted_as(mut self: Arc<Self>, b: &Posted) -> Arc<Self> {
+        if let Some(s) = Arc::get_mut(&mut self) {
+            s.read = b.dir == Dir::Read;
+            s.start = Some(b.start);
+        }
+        self
     }
 
     pub fn is_done(&self) -> bool {
@@ -133,6 +151,15 @@ impl BatchState {
         if let (Err(e), Some(h)) = (&r, hook) {
             h(e);
         }
+        // Metrics are recorded and the batch leaves the in-flight map before the outcome is
+        // published (a waiter sees it counted and no longer in flight).
+        if let Some(p) = self.pending.lock().take().and_then(|w| w.upgrade()) {
+            if let Some(obs) = &p.obs {
+                let took = self.start.map(|s| s.elapsed()).unwrap_or_default();
+                obs.finished(&self.stats, self.read, took, &r);
+            }
+            p.remove(self.id);
+        }
         {
             let mut g = self.result.lock();
             if g.is_some() {
@@ -144,9 +171,6 @@ impl BatchState {
         self.cv.notify_all();
         if let Some(w) = self.waker.lock().take() {
             w.wake();
-        }
-        if let Some(p) = self.pending.lock().take().and_then(|w| w.upgrade()) {
-            p.remove(self.id);
         }
     }
 
@@ -173,9 +197,19 @@ impl BatchState {
 pub(crate) struct Pending {
     map: Mutex<HashMap<u64, Arc<BatchState>>>,
     closed: Mutex<Option<String>>,
+    /// Where this peer's batches are counted (`None`: metrics disabled).
+    pub(crate) obs: Option<PeerObs>,
 }
 
 impl Pending {
+    /// An empty in-flight map recording into `obs`.
+    pub fn with_obs(obs: Option<PeerObs>) -> Self {
+        Pending {
+            obs,
+            ..Pending::default()
+        }
+    }
+
     /// Registers a batch; fails it at once when the peer is already gone.
     pub fn insert(self: &Arc<Self>, b: &Arc<BatchState>) -> Result<(), Error> {
         let closed = self.closed.lock();
@@ -208,6 +242,13 @@ impl Pending {
                 Error::PeerDead(reason.to_string())
             });
         }
+    }
+    /// (bytes, slices, batches) in flight (metrics).
+    pub fn inflight(&self) -> (u64, u64, u64) {
+        let m = self.map.lock();
+        m.values().fold((0, 0, m.len() as u64), |(b, s, n), x| {
+            (b + x.stats.bytes, s + x.stats.slices as u64, n)
+        })
     }
     pub fn closed_reason(&self) -> Option<String> {
         self.closed.lock().clone()

@@ -39,6 +39,12 @@ pub struct EngineConfig {
     /// first device with an active port. RDMA is offered only when libibverbs loads
     /// (`$KVWIRE_IBVERBS_PATH` overrides its path) and a device is usable.
     pub rdma_device: Option<String>,
+    /// Record engine metrics ([`crate::Engine::metrics`]); `false` skips every per-batch
+    /// counter update (the snapshot then shows zeros for batch counters).
+    pub metrics: bool,
+    /// Serve the metrics in the Prometheus text format at `GET /metrics` on this address
+    /// (`None` = no endpoint; port 0 = ephemeral, see [`crate::Engine::metrics_addr`]).
+    pub metrics_addr: Option<SocketAddr>,
 }
 
 impl Default for EngineConfig {
@@ -52,6 +58,8 @@ impl Default for EngineConfig {
             default_deadline: Duration::from_secs(10),
             connect_timeout: Duration::from_secs(5),
             rdma_device: None,
+            metrics: true,
+            metrics_addr: None,
         }
     }
 }

@@ -17,6 +17,7 @@ use crate::coalesce::coalesce;
 use crate::config::{EngineConfig, TransportKind};
 use crate::error::Error;
 use crate::mem::RegionMem;
+use crate::metrics::{self, EngineMetrics, MetricsSnapshot};
 use crate::notify::{Notification, Notifications, NotifyQueue};
 use crate::region::{
     check_bounds, Access, RegionEntry, RegionHandle, RegionId, RegionTable, RemoteRegion,
@@ -223,6 +224,9 @@ pub(crate) struct Core {
     handshakes: AtomicUsize,
     copy_tx: Mutex<Option<Sender<CopyJob>>>,
     transports: Vec<Box<dyn Transport>>,
+    metrics: Arc<EngineMetrics>,
+    /// Bound address of the Prometheus endpoint, if one was asked for.
+    metrics_addr: Option<SocketAddr>,
 }
 
 struct Handle {
@@ -339,6 +343,14 @@ impl Engine {
         }
         let listener = TcpListener::bind(cfg.listen)?;
         let listen_addr = listener.local_addr()?;
+        let metrics_listener = match cfg.metrics_addr {
+            Some(a) => Some(TcpListener::bind(a)?),
+            None => None,
+        };
+        let metrics_addr = match &metrics_listener {
+            Some(l) => Some(l.local_addr()?),
+            None => None,
+        };
         let timer = Arc::new(Timer::default());
         timer.start()?;
         let (copy_tx, copy_rx) = crossbeam_channel::unbounded::<CopyJob>();
@@ -366,11 +378,27 @@ impl Engine {
             handshakes: AtomicUsize::new(0),
             copy_tx: Mutex::new(Some(copy_tx)),
             transports,
+            metrics: Arc::new(EngineMetrics::default()),
+            metrics_addr,
         });
         let c = core.clone();
         std::thread::Builder::new()
             .name("kvwire-accept".into())
             .spawn(move || accept_loop(c))?;
+        if let Some(l) = metrics_listener {
+            let wc = Arc::downgrade(&core);
+            let render: metrics::Render = Box::new(move || {
+                let c = wc.upgrade()?;
+                if c.shut.load(Ordering::Acquire) {
+                    return None;
+                }
+                Some(c.metrics_snapshot().to_prometheus_text())
+            });
+            std::thread::Builder::new()
+                .name("kvwire-metrics".into())
+                .spawn(move || metrics::serve(l, render))?;
+            tracing::info!(addr = ?metrics_addr, "metrics endpoint listening");
+        }
         Ok(Engine {
             h: Arc::new(Handle { core }),
         })
@@ -383,6 +411,16 @@ impl Engine {
     /// The bound listen address.
     pub fn listen_addr(&self) -> SocketAddr {
         self.core().listen_addr
+    }
+
+    /// A snapshot of the engine's metrics (see [`MetricsSnapshot::to_prometheus_text`]).
+    pub fn metrics(&self) -> MetricsSnapshot {
+        self.core().metrics_snapshot()
+    }
+
+    /// The bound address of the Prometheus endpoint (`EngineConfig::metrics_addr`).
+    pub fn metrics_addr(&self) -> Option<SocketAddr> {
+        self.core().metrics_addr
     }
 
     /// Closes every connection and fails in-flight batches with `Error::Shutdown`.
@@ -426,6 +464,8 @@ impl Engine {
         for t in &core.transports {
             t.region_removed(e.id);
         }
+        core.metrics.unregistrations.fetch_add(1, Ordering::Relaxed);
+        tracing::debug!(region = ?e.id, "region unregistered");
         if e.access.offered() {
             core.broadcast(|_| CtrlMsg::RegionsRemoved(vec![e.id]));
         }
@@ -472,6 +512,23 @@ impl Engine {
     /// Connects to a peer engine: handshake (version, mutual secret proof, region descriptors,
     /// transport choice), then data lanes for TCP.
     pub fn connect(&self, addr: SocketAddr) -> Result<Peer, Error> {
+        let _span = tracing::debug_span!("kvwire.connect", %addr).entered();
+        let r = self.connect_inner(addr);
+        match &r {
+            Ok(p) => tracing::debug!(
+                peer = p.id().0,
+                transport = metrics::transport_label(p.transport()),
+                "connected"
+            ),
+            Err(e) => {
+                self.core().metrics.error(metrics::STAGE_CONNECT, e);
+                tracing::debug!(error = %e, "connect failed");
+            }
+        }
+        r
+    }
+
+    fn connect_inner(&self, addr: SocketAddr) -> Result<Peer, Error> {
         let core = self.core();
         core.check_open()?;
         let t = core.cfg.connect_timeout;
@@ -547,6 +604,32 @@ impl Engine {
         deadline: Option<Duration>,
         dir: Dir,
     ) -> Result<Batch, Error> {
+        let r = self.submit_inner(peer, ops, notify, deadline, dir);
+        if let Err(e) = &r {
+            self.core().metrics.error(metrics::STAGE_SUBMIT, e);
+            if tracing::enabled!(tracing::Level::DEBUG) {
+                tracing::debug!(peer = peer.id().0, ?dir, ops = ops.len(), error = %e, "batch refused");
+            }
+        } else if tracing::enabled!(tracing::Level::TRACE) {
+            tracing::trace!(
+                peer = peer.id().0,
+                transport = metrics::transport_label(peer.transport()),
+                ?dir,
+                ops = ops.len(),
+                "batch submitted"
+            );
+        }
+        r
+    }
+
+    fn submit_inner(
+        &self,
+        peer: &Peer,
+        ops: &[Op],
+        notify: Option<Vec<u8>>,
+        deadline: Option<Duration>,
+        dir: Dir,
+    ) -> Result<Batch, Error> {
         let core = self.core();
         core.check_open()?;
         let p = &peer.inner;
@@ -558,7 +641,8 @@ impl Engine {
         if let Some(r) = p.pending.closed_reason() {
             return Err(Error::PeerDead(r));
         }
-        let deadline = Instant::now() + deadline.unwrap_or(core.cfg.default_deadline);
+        let start = Instant::now();
+        let deadline = start + deadline.unwrap_or(core.cfg.default_deadline);
         let write = dir == Dir::Write;
         // Check every op as submitted (errors name the caller's op), then coalesce.
         let mut cache: Vec<Arc<RegionEntry>> = Vec::new();
@@ -604,6 +688,7 @@ impl Engine {
             bytes,
             deadline,
             timer: core.timer.clone(),
+            start,
         };
         let state = p.transport.post(posted, &p.pending)?;
         Ok(Batch { state })
@@ -615,6 +700,14 @@ impl Engine {
             q: self.core().notify.clone(),
         }
     }
+}
+
+/// Work requests re-posted towards a peer (every transport state it has).
+fn peer_reposts(p: &PeerInner) -> u64 {
+    std::iter::once(&p.transport)
+        .chain(p.passive.iter())
+        .map(|t| t.reposts())
+        .sum()
 }
 
 fn timeout_err(e: Error) -> Error {
@@ -641,6 +734,61 @@ impl Core {
     }
 
     fn add_region(&self, mem: Arc<RegionMem>, access: Access) -> Result<RegionHandle, Error> {
+        let t0 = Instant::now();
+        let len = mem.len() as u64;
+        let h = self.add_region_inner(mem, access)?;
+        let ns = t0.elapsed().as_nanos().min(u64::MAX as u128) as u64;
+        let m = &self.metrics;
+        m.registrations.fetch_add(1, Ordering::Relaxed);
+        m.registered_bytes.fetch_add(len, Ordering::Relaxed);
+        m.registration_ns.fetch_add(ns, Ordering::Relaxed);
+        tracing::debug!(region = ?h.id(), bytes = len, duration_us = ns / 1000, "region registered");
+        Ok(h)
+    }
+
+    fn metrics_snapshot(&self) -> MetricsSnapshot {
+        let peers: Vec<Arc<PeerInner>> = self.peers.lock().values().cloned().collect();
+        let mut lanes = 0;
+        let mut reposts = 0;
+        let mut inflight = (0, 0, 0);
+        let mut ps: Vec<metrics::PeerSnapshot> = peers
+            .iter()
+            .map(|p| {
+                let re = Peer { inner: p.clone() }.lanes_reestablished();
+                lanes += re;
+                let rp = peer_reposts(p);
+                reposts += rp;
+                let f = p.pending.inflight();
+                inflight = (inflight.0 + f.0, inflight.1 + f.1, inflight.2 + f.2);
+                metrics::peer_snapshot(
+                    p.id.0,
+                    p.remote_addr,
+                    p.transport.kind(),
+                    p.pending.obs.as_ref().map(|o| &*o.peer),
+                    (re, rp),
+                )
+            })
+            .collect();
+        ps.sort_by_key(|p| p.id);
+        let all = self.regions.all();
+        let n = &self.notify;
+        self.metrics.snapshot(metrics::SnapshotExtra {
+            peers: ps,
+            lanes_reestablished_live: lanes,
+            reposts_live: reposts,
+            regions: all.len() as u64,
+            region_bytes: all.iter().map(|e| e.mem.len() as u64).sum(),
+            peers_connected: peers.len() as u64,
+            notifications: (
+                n.delivered.load(Ordering::Relaxed),
+                n.dropped.load(Ordering::Relaxed),
+                n.suppressed.load(Ordering::Relaxed),
+            ),
+            inflight,
+        })
+    }
+
+    fn add_region_inner(&self, mem: Arc<RegionMem>, access: Access) -> Result<RegionHandle, Error> {
         self.check_open()?;
         let _g = self.reg_lock.lock();
         let h = self.regions.insert(mem, access)?;
@@ -717,7 +865,8 @@ impl Core {
         let ctrl = Arc::new(CtrlWriter {
             s: Mutex::new(s.try_clone()?),
         });
-        let pending = Arc::new(Pending::default());
+        let obs = self.cfg.metrics.then(|| self.metrics.peer_obs(hs.kind));
+        let pending = Arc::new(Pending::with_obs(obs));
         let weak_core = Arc::downgrade(self);
         let on_dead: OnDead = {
             let wc = weak_core.clone();
@@ -813,6 +962,8 @@ impl Core {
                 .lock()
                 .insert(hs.our_token, Arc::downgrade(&peer));
             self.peers.lock().insert(id, peer.clone());
+            // Counted before the handshake's last message goes out (visible to the remote).
+            self.metrics.connections[usize::from(!initiator)].fetch_add(1, Ordering::Relaxed);
             let shm = peer.same_host;
             let msg = if initiator {
                 // Our region list went out in `Auth` before the peer existed: resend the current
@@ -836,7 +987,13 @@ impl Core {
         std::thread::Builder::new()
             .name("kvwire-ctrl".into())
             .spawn(move || ctrl_loop(wc, p2, reader))?;
-        tracing::debug!(?id, kind = ?hs.kind, %remote_addr, "peer connected");
+        tracing::info!(
+            peer = id.0,
+            transport = metrics::transport_label(hs.kind),
+            %remote_addr,
+            initiator,
+            "peer connected"
+        );
         Ok(peer)
     }
 
@@ -846,7 +1003,15 @@ impl Core {
         if p.dead.swap(true, Ordering::AcqRel) {
             return;
         }
-        tracing::debug!(?id, reason, "peer closed");
+        tracing::info!(peer = id.0, reason, "peer closed");
+        self.metrics.disconnects.fetch_add(1, Ordering::Relaxed);
+        self.metrics
+            .reposts_retired
+            .fetch_add(peer_reposts(&p), Ordering::Relaxed);
+        self.metrics.lanes_reestablished_retired.fetch_add(
+            Peer { inner: p.clone() }.lanes_reestablished(),
+            Ordering::Relaxed,
+        );
         self.tokens.lock().remove(&p.our_token);
         p.pending.close(reason, shutdown);
         p.transport.close();
@@ -868,6 +1033,10 @@ impl Core {
             nix::sys::socket::shutdown(self.listener.as_raw_fd(), nix::sys::socket::Shutdown::Both);
         // Wake the acceptor in case shutdown(2) on a listener does not (it does on Linux).
         let _ = TcpStream::connect_timeout(&self.listen_addr, Duration::from_millis(100));
+        if let Some(a) = self.metrics_addr {
+            // Wake the metrics server so it sees the shutdown and exits.
+            let _ = TcpStream::connect_timeout(&a, Duration::from_millis(100));
+        }
         let ids: Vec<PeerId> = self.peers.lock().keys().copied().collect();
         for id in ids {
             self.kill_peer(id, "engine shut down", true);
@@ -1209,6 +1378,7 @@ fn handle_conn(core: Arc<Core>, mut s: TcpStream, addr: SocketAddr) {
         Err(e) => {
             tracing::warn!(%addr, error = %e, "connection refused");
             let e = timeout_err(e);
+            core.metrics.error(metrics::STAGE_CONNECT, &e);
             if !matches!(e, Error::Io(_)) {
                 send_reject(&mut s, &e);
             }

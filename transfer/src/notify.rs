@@ -36,6 +36,10 @@ struct QState {
 pub(crate) struct NotifyQueue {
     st: Mutex<QState>,
     cv: Condvar,
+    /// Metrics: notifications queued, dropped (queue full), suppressed (a slice was refused).
+    pub(crate) delivered: std::sync::atomic::AtomicU64,
+    pub(crate) dropped: std::sync::atomic::AtomicU64,
+    pub(crate) suppressed: std::sync::atomic::AtomicU64,
 }
 
 impl NotifyQueue {
@@ -44,10 +48,14 @@ impl NotifyQueue {
             let mut s = self.st.lock();
             if s.q.len() >= MAX_QUEUED {
                 s.dropped += 1;
+                self.dropped
+                    .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
                 tracing::warn!(dropped = s.dropped, "notification queue full; dropping");
                 return;
             }
             s.q.push_back(n);
+            self.delivered
+                .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
             std::mem::take(&mut s.wakers)
         };
         self.cv.notify_one();

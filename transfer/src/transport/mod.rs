@@ -81,6 +81,8 @@ pub(crate) struct Posted {
     pub bytes: u64,
     pub deadline: Instant,
     pub timer: Arc<Timer>,
+    /// When the batch was submitted (metrics: latency).
+    pub start: Instant,
 }
 
 /// Per-peer data path.
@@ -99,6 +101,10 @@ pub(crate) trait PeerTransport: Send + Sync {
     /// Work requests posted per lane so far (RDMA queue pairs; empty for other transports).
     fn lane_counters(&self) -> Vec<u64> {
         Vec::new()
+    }
+    /// Work requests re-posted on another lane after a lane failed (RDMA).
+    fn reposts(&self) -> u64 {
+        0
     }
     /// Lanes re-established after errors so far (RDMA queue pairs replaced).
     fn lanes_reestablished(&self) -> u64 {
@@ -299,6 +305,10 @@ impl NotifyTracker {
                         peer: ctx.peer,
                         tag: t.tag.unwrap_or_default(),
                     });
+                } else {
+                    ctx.notify
+                        .suppressed
+                        .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
                 }
             }
         }

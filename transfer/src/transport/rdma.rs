@@ -460,6 +460,7 @@ impl Transport for RdmaTransport {
             ctrl: ctx.ctrl,
             on_dead: ctx.on_dead,
             closed: AtomicBool::new(false),
+            reposts: AtomicU64::new(0),
         });
         self.dev.peers.lock().insert(key, Arc::downgrade(&sh));
         tracing::debug!(device = %self.dev.name, lanes = sh.lanes.len(), ?mtu, "rdma peer connected");
@@ -539,6 +540,8 @@ struct PeerShared {
     ctrl: Arc<CtrlWriter>,
     on_dead: OnDead,
     closed: AtomicBool,
+    /// Work requests re-posted on another lane after a flush (metrics).
+    reposts: AtomicU64,
 }
 
 impl Drop for PeerShared {
@@ -715,6 +718,11 @@ impl PeerShared {
             e.batch.state.fail(Error::PeerDead(format!(
                 "rdma: {why}; no queue pair left for the transfer"
             )));
+        }
+        let n: usize = by_lane.values().map(Vec::len).sum();
+        if n > 0 {
+            self.reposts.fetch_add(n as u64, Ordering::Relaxed);
+            tracing::debug!(wrs = n, why, "rdma work requests re-posted");
         }
         for (l, ids) in by_lane {
             self.submit(l, ids);
@@ -1034,7 +1042,7 @@ impl PeerTransport for RdmaPeer {
             slices: cuts.len(),
             transport: TransportKind::Rdma,
         };
-        let st = BatchState::new(b.id, 1, stats, b.deadline, Vec::new(), &b.timer);
+        let st = BatchState::new(b.id, 1, stats, b.deadline, Vec::new(), &b.timer).posted_as(&b);
         pending.insert(&st)?;
         let ctx = Arc::new(BatchCtx {
             state: st.clone(),
@@ -1110,6 +1118,10 @@ impl PeerTransport for RdmaPeer {
 
     fn on_ctrl(&self, data: &[u8]) -> Result<(), Error> {
         self.sh.on_msg(data)
+    }
+
+    fn reposts(&self) -> u64 {
+        self.sh.reposts.load(Ordering::Relaxed)
     }
 
     fn lanes_reestablished(&self) -> u64 {

@@ -183,7 +183,7 @@ impl PeerTransport for ShmPeer {
             slices: b.xfers.len(),
             transport: TransportKind::Shm,
         };
-        let st = BatchState::new(b.id, 1, stats, b.deadline, Vec::new(), &b.timer);
+        let st = BatchState::new(b.id, 1, stats, b.deadline, Vec::new(), &b.timer).posted_as(&b);
         pending.insert(&st)?;
         if b.bytes <= INLINE_MAX {
             self.sh.run(&st, b.dir, &b.xfers, b.notify);

@@ -619,7 +619,7 @@ impl PeerTransport for TcpPeer {
             slices,
             transport: TransportKind::Tcp,
         };
-        let st = BatchState::new(b.id, parts, stats, b.deadline, reads, &b.timer);
+        let st = BatchState::new(b.id, parts, stats, b.deadline, reads, &b.timer).posted_as(&b);
         pending.insert(&st)?;
         if parts == 0 {
             st.complete_now();
