@@ -8,6 +8,7 @@
 #![deny(missing_docs)]
 
 pub mod calibrate;
+pub mod clock;
 pub mod costmodel;
 pub mod error;
 pub mod initiator;

@@ -35,6 +35,9 @@ enum Cmd {
     /// Fit the router cost model (kvwire.cost/1) from timeline records (JSON lines) and
     /// report its held-out error next to the seed model's.
     Calibrate(kvwire_bench::calibrate::CalibrateArgs),
+    /// The decode_sent → first_token clock: P and D step loops around the connector core,
+    /// real transfers through the engine, per reservation policy × send mode.
+    Clock(kvwire_bench::clock::ClockArgs),
 }
 
 #[derive(Clone, Copy, ValueEnum)]
@@ -130,6 +133,7 @@ fn main() -> ExitCode {
         Cmd::Transfer(a) => transfer(&a),
         Cmd::Layerwise(a) => layerwise::run(a),
         Cmd::Calibrate(a) => Ok(kvwire_bench::calibrate::run_cli(&a)),
+        Cmd::Clock(a) => Ok(kvwire_bench::clock::cli_main(&a)),
     };
     match result {
         Ok(code) => code,

@@ -1,0 +1,352 @@
+//! Aggregates of a clock run: per-cell summary, table, JSON and timeline lines.
+
+use kvwire_connector::{Decomposition, Nanos, Outcome, TimelineRecord};
+use serde::Serialize;
+use serde_json::{json, Value};
+
+use super::sim::CellRun;
+use super::workload::RequestSpec;
+use super::ClockConfig;
+
+/// Fixed term of the seed study's cost model, ns.
+pub const SEED_FIXED_NS: Nanos = 300_000_000;
+/// Bandwidth term of the seed study's cost model, bytes/s.
+pub const SEED_BYTES_PER_S: f64 = 2.7e9;
+
+/// Names of the decomposition segments, in order.
+pub const SEGMENTS: [&str; 6] = [
+    "wait_for_p",
+    "reservation_wait",
+    "exposed_transfer",
+    "report_delay",
+    "promotion_delay",
+    "first_step",
+];
+
+/// The segments of a decomposition in [`SEGMENTS`] order.
+pub fn segments(d: &Decomposition) -> [Nanos; 6] {
+    [
+        d.wait_for_p,
+        d.reservation_wait,
+        d.exposed_transfer,
+        d.report_delay,
+        d.promotion_delay,
+        d.first_step,
+    ]
+}
+
+/// Quantiles in milliseconds.
+#[derive(Clone, Copy, Debug, Default, Serialize)]
+pub struct Quantiles {
+    /// Median.
+    pub p50: f64,
+    /// 90th percentile.
+    pub p90: f64,
+    /// 99th percentile.
+    pub p99: f64,
+    /// Mean.
+    pub mean: f64,
+}
+
+fn quantiles(v: &mut [Nanos]) -> Quantiles {
+    if v.is_empty() {
+        return Quantiles::default();
+    }
+    v.sort_unstable();
+    let q = |p: f64| {
+        let i = ((v.len() - 1) as f64 * p).round() as usize;
+        v[i.min(v.len() - 1)] as f64 / 1e6
+    };
+    let mean = v.iter().map(|&x| x as f64).sum::<f64>() / v.len() as f64 / 1e6;
+    Quantiles {
+        p50: q(0.5),
+        p90: q(0.9),
+        p99: q(0.99),
+        mean,
+    }
+}
+
+/// One cell's figures.
+#[derive(Clone, Debug, Serialize)]
+pub struct CellSummary {
+    /// D's policy.
+    pub policy: String,
+    /// P's send mode.
+    pub send_mode: String,
+    /// Requests run.
+    pub requests: usize,
+    /// Requests that reached their first token.
+    pub finished: usize,
+    /// Requests whose every layer's bytes were checked on D and matched.
+    pub verified_requests: usize,
+    /// Layers whose bytes on D did not match.
+    pub corrupt_layers: usize,
+    /// Wire bytes checked on D.
+    pub bytes_verified: u64,
+    /// `decode_sent → first_token`, ms.
+    pub clock_ms: Quantiles,
+    /// Each segment of the decomposition, ms (mean and quantiles of the segment itself).
+    pub decomposition_ms: std::collections::BTreeMap<String, Quantiles>,
+    /// What the seed study's cost model `0.3 s + bytes / 2.7 GB/s` predicts for the same
+    /// requests (modelled bytes), ms.
+    pub seed_model_ms: Quantiles,
+    /// D blocks × seconds reserved before promotion, summed over requests.
+    pub d_block_seconds_waiting: f64,
+    /// D steps in which a reservable request could not get blocks.
+    pub admission_stalls: u64,
+    /// D steps run.
+    pub d_steps: u64,
+    /// Writes (after coalescing) per request, mean.
+    pub writes_per_request: f64,
+    /// Ops (blocks × layers) per request, mean.
+    pub ops_per_request: f64,
+    /// Wire bytes moved.
+    pub wire_bytes: u64,
+    /// Wall seconds in transfers (post → D's notification).
+    pub transfer_wall_s: f64,
+    /// Wire throughput measured over those transfers, GB/s (1e9 bytes/s).
+    pub wire_gbps: f64,
+    /// Measured wall time of one layer batch, µs.
+    pub layer_wall_us: Quantiles,
+    /// Virtual seconds the cell ran.
+    pub virtual_s: f64,
+    /// Wall seconds the cell took.
+    pub wall_s: f64,
+}
+
+/// A whole run.
+#[derive(Clone, Debug)]
+pub struct ClockReport {
+    /// The configuration.
+    pub config: ClockConfig,
+    /// Transport the engines used.
+    pub transport: String,
+    /// Measured fixed cost of one batch (not stretched).
+    pub fixed_batch_cost: std::time::Duration,
+    /// Wire nanoseconds per byte used for every cell ([`super::LinkSpeed::Frozen`]).
+    pub frozen_ns_per_byte: Option<f64>,
+    /// Requests per cell.
+    pub requests: usize,
+    /// Prompt tokens, mean.
+    pub mean_prompt_tokens: f64,
+    /// Uncached (prefilled) tokens, mean.
+    pub mean_uncached_tokens: f64,
+    /// Cells with their raw records.
+    pub cells: Vec<CellRun>,
+    /// Cells' figures (same order).
+    pub summaries: Vec<CellSummary>,
+}
+
+impl ClockReport {
+    /// Builds the report from the cells of a run.
+    pub fn new(
+        cfg: &ClockConfig,
+        specs: &[RequestSpec],
+        transport: &str,
+        fixed_batch_cost: std::time::Duration,
+        cells: Vec<CellRun>,
+    ) -> Self {
+        let n = specs.len().max(1) as f64;
+        let summaries = cells.iter().map(|c| summarize(c, specs.len())).collect();
+        ClockReport {
+            config: cfg.clone(),
+            transport: transport.to_string(),
+            fixed_batch_cost,
+            frozen_ns_per_byte: None,
+            requests: specs.len(),
+            mean_prompt_tokens: specs
+                .iter()
+                .map(|s| f64::from(s.prompt_tokens))
+                .sum::<f64>()
+                / n,
+            mean_uncached_tokens: specs.iter().map(|s| f64::from(s.uncached())).sum::<f64>() / n,
+            cells,
+            summaries,
+        }
+    }
+
+    /// Every request of every cell finished and had all its bytes verified.
+    pub fn all_verified(&self) -> bool {
+        self.summaries.iter().all(|s| {
+            s.corrupt_layers == 0 && s.verified_requests == s.requests && s.finished == s.requests
+        })
+    }
+}
+
+fn summarize(c: &CellRun, requests: usize) -> CellSummary {
+    let mut clock = Vec::new();
+    let mut segs: Vec<Vec<Nanos>> = vec![Vec::new(); 6];
+    let mut block_ns = 0u128;
+    let mut seed = Vec::new();
+    let mut finished = 0;
+    for r in &c.records {
+        block_ns += r.d_block_ns_waiting();
+        if r.outcome != Outcome::Finished {
+            continue;
+        }
+        if let Some(d) = r.decompose() {
+            finished += 1;
+            seed.push(SEED_FIXED_NS + (r.bytes as f64 / SEED_BYTES_PER_S * 1e9) as Nanos);
+            clock.push(d.total());
+            for (v, s) in segs.iter_mut().zip(segments(&d)) {
+                v.push(s);
+            }
+        }
+    }
+    let decomposition_ms = SEGMENTS
+        .iter()
+        .zip(segs.iter_mut())
+        .map(|(k, v)| (k.to_string(), quantiles(v)))
+        .collect();
+    let nreq = requests.max(1) as f64;
+    let wall = c.transfer_wall.as_secs_f64();
+    CellSummary {
+        policy: c.policy.name().to_string(),
+        send_mode: c.send_mode.name().to_string(),
+        requests,
+        finished,
+        verified_requests: c.verified_requests,
+        corrupt_layers: c.corrupt_layers,
+        bytes_verified: c.bytes_verified,
+        clock_ms: quantiles(&mut clock),
+        seed_model_ms: quantiles(&mut seed),
+        decomposition_ms,
+        d_block_seconds_waiting: block_ns as f64 / 1e9,
+        admission_stalls: c.admission_stalls,
+        d_steps: c.d_steps,
+        writes_per_request: c.writes as f64 / nreq,
+        ops_per_request: c.ops as f64 / nreq,
+        wire_bytes: c.wire_bytes,
+        transfer_wall_s: wall,
+        wire_gbps: if wall > 0.0 {
+            c.wire_bytes as f64 / wall / 1e9
+        } else {
+            0.0
+        },
+        layer_wall_us: {
+            let mut v: Vec<Nanos> = c
+                .layer_wall_us
+                .iter()
+                .map(|&u| (u * 1e6) as Nanos)
+                .collect();
+            // quantiles() divides by 1e6: feed picoseconds to get µs back.
+            quantiles(&mut v)
+        },
+        virtual_s: c.virtual_end as f64 / 1e9,
+        wall_s: c.wall.as_secs_f64(),
+    }
+}
+
+/// The table printed on stdout.
+pub fn table(r: &ClockReport) -> String {
+    let c = &r.config;
+    let mut s = format!(
+        "kvwire clock: scenario {}, transport {}, {} requests/cell (prompt mean {:.0} tok, prefilled mean {:.0} tok), \
+         {} layers, {} B/token on the wire for {} B/token modelled (transfer time: {:.1} us fixed + measured rest x{:.0}), D pool {} blocks of {} tokens\n",
+        c.scenario.name(),
+        r.transport,
+        r.requests,
+        r.mean_prompt_tokens,
+        r.mean_uncached_tokens,
+        c.layers,
+        c.wire_bytes_per_token,
+        c.model_bytes_per_token,
+        r.fixed_batch_cost.as_secs_f64() * 1e6,
+        c.transfer_scale,
+        c.d_pool_blocks,
+        c.block_tokens
+    );
+    s.push_str(
+        "decode_sent->first_token (ms)           | mean of the decomposition (ms)                        |\n",
+    );
+    s.push_str(&format!(
+        "{:<6} {:<9} {:>8} {:>8} {:>8} | {:>7} {:>7} {:>7} {:>7} {:>7} {:>7} | {:>9} {:>6} {:>8} {:>9}\n",
+        "policy", "send", "p50", "p90", "p99", "waitP", "resv", "xfer", "report", "promo", "step",
+        "D blk*s", "stalls", "wr/req", "verified"
+    ));
+    for x in &r.summaries {
+        let m = |k: &str| x.decomposition_ms.get(k).map_or(0.0, |q| q.mean);
+        s.push_str(&format!(
+            "{:<6} {:<9} {:>8.1} {:>8.1} {:>8.1} | {:>7.1} {:>7.1} {:>7.1} {:>7.1} {:>7.1} {:>7.1} | {:>9.1} {:>6} {:>8.1} {:>4}/{:<4}\n",
+            x.policy,
+            x.send_mode,
+            x.clock_ms.p50,
+            x.clock_ms.p90,
+            x.clock_ms.p99,
+            m("wait_for_p"),
+            m("reservation_wait"),
+            m("exposed_transfer"),
+            m("report_delay"),
+            m("promotion_delay"),
+            m("first_step"),
+            x.d_block_seconds_waiting,
+            x.admission_stalls,
+            x.writes_per_request,
+            x.verified_requests,
+            x.requests
+        ));
+    }
+    s
+}
+
+/// The JSON document of `--json`.
+pub fn to_json(r: &ClockReport) -> Value {
+    let c = &r.config;
+    json!({
+        "schema": "kvwire.clock/1",
+        "scenario": c.scenario.name(),
+        "transport": r.transport,
+        "requests": r.requests,
+        "seed": c.seed,
+        "verified": r.all_verified(),
+        "workload": {
+            "mean_prompt_tokens": r.mean_prompt_tokens,
+            "mean_uncached_tokens": r.mean_uncached_tokens,
+        },
+        "config": {
+            "layers": c.layers,
+            "block_tokens": c.block_tokens,
+            "model_bytes_per_token": c.model_bytes_per_token,
+            "wire_bytes_per_token": c.wire_bytes_per_token,
+            "transfer_scale": c.transfer_scale,
+            "p_pool_blocks": c.p_pool_blocks,
+            "d_pool_blocks": c.d_pool_blocks,
+            "p_step_base_ms": c.p_step_base as f64 / 1e6,
+            "p_step_per_token_us": c.p_step_per_token as f64 / 1e3,
+            "p_token_budget": c.p_token_budget,
+            "d_step_base_ms": c.d_step_base as f64 / 1e6,
+            "d_step_per_running_ms": c.d_step_per_running as f64 / 1e6,
+            "msg_latency_us": c.msg_latency as f64 / 1e3,
+            "link_speed": c.link_speed.name(),
+            "frozen_wire_gbps": r.frozen_ns_per_byte.filter(|&v| v > 0.0).map(|v| 1.0 / v),
+            "fixed_batch_cost_us": r.fixed_batch_cost.as_secs_f64() * 1e6,
+            "clock": "virtual for step loops and control messages; transfers measured on the wall clock and stretched by transfer_scale",
+        },
+        "cells": r.summaries,
+    })
+}
+
+/// Timeline JSON lines for the calibrator: the connector's merged records, each with the D
+/// load at its arrival (`dst_waiting`, `dst_running`) added, and the bytes of the modelled
+/// model.
+pub fn timeline_lines(r: &ClockReport) -> String {
+    let mut s = String::new();
+    for c in &r.cells {
+        for (rec, load) in c.records.iter().zip(&c.load_at_arrival) {
+            let mut v = serde_json::to_value(rec).unwrap_or(Value::Null);
+            if let Value::Object(m) = &mut v {
+                m.insert("dst_waiting".into(), json!(load.0));
+                m.insert("dst_running".into(), json!(load.1));
+                m.insert("scenario".into(), json!(r.config.scenario.name()));
+            }
+            s.push_str(&v.to_string());
+            s.push('\n');
+        }
+    }
+    s
+}
+
+/// Parses one line of [`timeline_lines`] back into the connector's record.
+pub fn parse_timeline_line(line: &str) -> Result<TimelineRecord, serde_json::Error> {
+    TimelineRecord::from_json_line(line)
+}

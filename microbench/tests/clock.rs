@@ -1,0 +1,314 @@
+//! Tests of `kvwire-bench clock`: the decomposition of every request's clock, every byte
+//! verified (and corruption caught), every cell in the JSON, a real PNG, the timeline lines,
+//! the ordering of block-seconds between policies, the migration scenario and traces.
+
+use std::collections::BTreeSet;
+use std::path::PathBuf;
+use std::sync::OnceLock;
+
+use kvwire_bench::clock::cli::{ClockLinkSpeed, ClockScenario, ClockTransport, ClockWorkload};
+use kvwire_bench::clock::report::{parse_timeline_line, segments};
+use kvwire_bench::clock::workload::{parse_trace, TraceError};
+use kvwire_bench::clock::{run_matrix, ClockArgs, ClockConfig, ClockReport, Scenario};
+use kvwire_connector::{Policy, SendMode};
+
+fn tmp(name: &str) -> PathBuf {
+    // Cargo's scratch directory for integration tests (inside the target directory).
+    let dir = PathBuf::from(env!("CARGO_TARGET_TMPDIR")).join("kvwire-clock-test");
+    std::fs::create_dir_all(&dir).unwrap();
+    dir.join(name)
+}
+
+fn args() -> ClockArgs {
+    ClockArgs {
+        json: None,
+        trace: None,
+        timeline_out: None,
+        png: None,
+        requests: None,
+        seed: 7,
+        transport: ClockTransport::Auto,
+        workload: ClockWorkload::Agentic,
+        scenario: ClockScenario::Pd,
+        rate: None,
+        wire_bytes_per_token: None,
+        d_pool_blocks: None,
+        link_speed: ClockLinkSpeed::Window,
+        quick: true,
+    }
+}
+
+struct Quick {
+    report: ClockReport,
+    json: PathBuf,
+    png: PathBuf,
+    timeline: PathBuf,
+}
+
+/// One quick run of the full matrix with every output, shared by the tests below.
+fn quick() -> &'static Quick {
+    static Q: OnceLock<Quick> = OnceLock::new();
+    Q.get_or_init(|| {
+        let mut a = args();
+        a.json = Some(tmp("clock.json"));
+        a.png = Some(tmp("clock.png"));
+        a.timeline_out = Some(tmp("clock.jsonl"));
+        let report = kvwire_bench::clock::cli::run(&a).expect("quick clock run");
+        Quick {
+            report,
+            json: a.json.unwrap(),
+            png: a.png.unwrap(),
+            timeline: a.timeline_out.unwrap(),
+        }
+    })
+}
+
+#[test]
+fn decomposition_sums_to_the_clock_of_every_request() {
+    let q = quick();
+    assert_eq!(q.report.cells.len(), 6);
+    for c in &q.report.cells {
+        assert_eq!(c.records.len(), q.report.requests);
+        for r in &c.records {
+            let d = r.decompose().expect("finished record decomposes");
+            let clock = r.first_token.unwrap() - r.decode_sent.unwrap();
+            assert_eq!(segments(&d).iter().sum::<u64>(), clock, "{r:?}");
+            assert_eq!(d.total(), clock);
+            assert!(clock > 0);
+            // The milestones are in order (no clamping was needed).
+            let p_done = r.p_last_layer_ready.unwrap();
+            let last = r.last_byte.unwrap();
+            assert!(r.d_reserved.unwrap() <= last && p_done <= last, "{r:?}");
+            assert!(last <= r.d_reported_finished.unwrap());
+            assert!(r.d_reported_finished.unwrap() <= r.d_promoted.unwrap());
+        }
+    }
+}
+
+#[test]
+fn every_request_has_every_byte_verified() {
+    let q = quick();
+    let cfg = &q.report.config;
+    for (c, s) in q.report.cells.iter().zip(&q.report.summaries) {
+        assert_eq!(c.corrupt_layers, 0);
+        assert_eq!(c.verified_requests, q.report.requests);
+        assert_eq!(s.finished, q.report.requests);
+        // Bytes checked on D = blocks × layers × bytes per block, summed over requests.
+        let want: u64 = c
+            .records
+            .iter()
+            .map(|r| u64::from(r.blocks) * u64::from(cfg.layers) * cfg.layer_block_bytes())
+            .sum();
+        assert_eq!(c.bytes_verified, want);
+        assert_eq!(c.wire_bytes, want);
+        // Coalescing: fewer writes than ops, at least one per layer.
+        assert!(c.writes < c.ops, "writes {} ops {}", c.writes, c.ops);
+        assert!(c.writes >= (q.report.requests * cfg.layers as usize) as u64);
+    }
+    assert!(q.report.all_verified());
+}
+
+#[test]
+fn corruption_on_d_is_caught() {
+    let mut cfg = ClockConfig::quick(3);
+    cfg.policies = vec![Policy::Lazy];
+    cfg.send_modes = vec![SendMode::Layerwise];
+    cfg.fault_corrupt_landing = Some(5);
+    let mut mix = kvwire_bench::clock::AgenticMix::standard(8.0);
+    mix.max_tokens = 8_000;
+    let specs = mix.generate(6, 3);
+    let r = run_matrix(&cfg, &specs).unwrap();
+    assert_eq!(r.cells[0].corrupt_layers, 1);
+    assert_eq!(r.cells[0].verified_requests, specs.len() - 1);
+    assert!(!r.all_verified());
+}
+
+#[test]
+fn json_has_every_cell() {
+    let q = quick();
+    let v: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(&q.json).unwrap()).unwrap();
+    assert_eq!(v["schema"], "kvwire.clock/1");
+    assert_eq!(v["verified"], true);
+    let cells = v["cells"].as_array().unwrap();
+    let mut seen = BTreeSet::new();
+    for c in cells {
+        seen.insert((
+            c["policy"].as_str().unwrap().to_string(),
+            c["send_mode"].as_str().unwrap().to_string(),
+        ));
+        for k in ["p50", "p90", "p99", "mean"] {
+            assert!(c["clock_ms"][k].as_f64().unwrap() > 0.0, "{k} in {c}");
+        }
+        for k in kvwire_bench::clock::report::SEGMENTS {
+            assert!(c["decomposition_ms"][k]["mean"].is_number(), "{k} in {c}");
+        }
+        for k in [
+            "d_block_seconds_waiting",
+            "admission_stalls",
+            "writes_per_request",
+        ] {
+            assert!(c[k].is_number(), "{k} in {c}");
+        }
+        assert_eq!(c["verified_requests"], c["requests"]);
+    }
+    let mut want = BTreeSet::new();
+    for p in ["eager", "lazy", "jit"] {
+        for m in ["whole", "layerwise"] {
+            want.insert((p.to_string(), m.to_string()));
+        }
+    }
+    assert_eq!(seen, want);
+    assert_eq!(cells.len(), 6);
+}
+
+#[test]
+fn png_is_a_real_png() {
+    let q = quick();
+    let b = std::fs::read(&q.png).unwrap();
+    assert_eq!(&b[..8], b"\x89PNG\r\n\x1a\n");
+    assert_eq!(&b[12..16], b"IHDR");
+    let w = u32::from_be_bytes(b[16..20].try_into().unwrap());
+    let h = u32::from_be_bytes(b[20..24].try_into().unwrap());
+    assert_eq!((w, h), (1600, 800));
+    assert!(b.len() > 20_000, "PNG of {} bytes", b.len());
+    assert_eq!(&b[b.len() - 8..b.len() - 4], b"IEND");
+}
+
+#[test]
+fn timeline_lines_parse_and_carry_the_load() {
+    let q = quick();
+    let text = std::fs::read_to_string(&q.timeline).unwrap();
+    let lines: Vec<&str> = text.lines().collect();
+    assert_eq!(lines.len(), 6 * q.report.requests);
+    for l in lines {
+        let r = parse_timeline_line(l).unwrap();
+        assert!(r.decompose().is_some());
+        let v: serde_json::Value = serde_json::from_str(l).unwrap();
+        assert!(v["dst_waiting"].is_u64() && v["dst_running"].is_u64());
+        assert!(r.policy.is_some() && r.send_mode.is_some());
+        assert!(r.bytes > 0 && r.layers == 8);
+    }
+}
+
+#[test]
+fn lazy_and_jit_hold_fewer_block_seconds_than_eager() {
+    let q = quick();
+    let bs = |p: &str, m: &str| {
+        q.report
+            .summaries
+            .iter()
+            .find(|s| s.policy == p && s.send_mode == m)
+            .unwrap()
+            .d_block_seconds_waiting
+    };
+    for m in ["whole", "layerwise"] {
+        let eager = bs("eager", m);
+        assert!(eager > 0.0);
+        assert!(
+            bs("lazy", m) < eager,
+            "{m}: lazy {} eager {eager}",
+            bs("lazy", m)
+        );
+        assert!(
+            bs("jit", m) < eager,
+            "{m}: jit {} eager {eager}",
+            bs("jit", m)
+        );
+    }
+}
+
+#[test]
+fn migration_sends_decode_after_prefill() {
+    let mut a = args();
+    a.scenario = ClockScenario::Migration;
+    a.requests = Some(10);
+    a.transport = ClockTransport::Tcp;
+    a.link_speed = ClockLinkSpeed::Frozen;
+    let r = kvwire_bench::clock::cli::run(&a).unwrap();
+    assert_eq!(r.config.scenario, Scenario::Migration);
+    assert_eq!(r.transport, "tcp");
+    assert!(r.frozen_ns_per_byte.is_some_and(|v| v > 0.0));
+    assert!(r.all_verified());
+    for c in &r.cells {
+        for rec in &c.records {
+            assert!(rec.p_last_layer_ready.unwrap() <= rec.decode_sent.unwrap());
+            assert_eq!(rec.decompose().unwrap().wait_for_p, 0);
+        }
+    }
+    // With the KV ready before decode_sent and one frozen link speed, no policy or send mode
+    // can change anything: every cell has the same clock for every request.
+    let clocks = |i: usize| -> Vec<u64> {
+        r.cells[i]
+            .records
+            .iter()
+            .map(|x| x.decompose().unwrap().total())
+            .collect()
+    };
+    for i in 1..r.cells.len() {
+        assert_eq!(clocks(i), clocks(0), "cell {i}");
+    }
+}
+
+#[test]
+fn trace_workload_runs_and_bad_traces_are_typed_errors() {
+    let jsonl = "{\"arrival_s\": 0.0, \"prompt_tokens\": 3000, \"cached_tokens\": 2000, \"output_tokens\": 10}\n\
+                 \n\
+                 {\"arrival_s\": 0.05, \"prompt_tokens\": 1200, \"output_tokens\": 5}\n";
+    let v = parse_trace(jsonl).unwrap();
+    assert_eq!(v.len(), 2);
+    assert_eq!(v[0].uncached(), 1000);
+    assert_eq!(v[1].cached_tokens, 0);
+    assert_eq!(v[1].arrival, 50_000_000);
+    let csv = "arrival_s,prompt_tokens,cached_tokens,output_tokens\n1.0,500,0,4\n0.5,900,100,8\n";
+    let v = parse_trace(csv).unwrap();
+    assert_eq!(v[0].prompt_tokens, 900, "sorted by arrival");
+    assert_eq!(v[0].arrival, 0, "shifted to start at 0");
+    let line_of = |t: &str| match parse_trace(t) {
+        Err(TraceError::Line { line, .. }) => line,
+        other => panic!("expected a line error, got {other:?}"),
+    };
+    assert_eq!(line_of("0,100,0,4\n0,100,200,4\n"), 2);
+    assert_eq!(line_of("0,100,0\n"), 1);
+    assert_eq!(line_of("0,100,0,4\n{\"arrival_s\": 1}\n"), 2);
+    assert_eq!(line_of("{not json\n"), 1);
+    assert_eq!(line_of("0,-5,0,4\n"), 1);
+    assert_eq!(line_of("0,1e12,0,4\n"), 1);
+    assert!(matches!(
+        parse_trace("# only a comment\n"),
+        Err(TraceError::Empty)
+    ));
+
+    let path = tmp("trace.jsonl");
+    let mut t = String::new();
+    for i in 0..8 {
+        t.push_str(&format!(
+            "{{\"arrival_s\": {}, \"prompt_tokens\": {}, \"cached_tokens\": {}, \"output_tokens\": 6}}\n",
+            i as f64 * 0.1,
+            2000 + 500 * i,
+            1000
+        ));
+    }
+    std::fs::write(&path, t).unwrap();
+    let mut a = args();
+    a.trace = Some(path);
+    a.workload = ClockWorkload::Trace;
+    a.link_speed = ClockLinkSpeed::Raw;
+    let r = kvwire_bench::clock::cli::run(&a).unwrap();
+    assert_eq!(r.requests, 8);
+    assert!(r.all_verified());
+    let mut a = args();
+    a.workload = ClockWorkload::Trace;
+    assert!(
+        kvwire_bench::clock::cli::run(&a).is_err(),
+        "trace workload without a file"
+    );
+    let mut a = args();
+    a.trace = Some(tmp("does-not-exist.jsonl"));
+    assert!(matches!(
+        kvwire_bench::clock::cli::run(&a),
+        Err(kvwire_bench::clock::ClockError::Trace(
+            TraceError::Io { .. }
+        ))
+    ));
+}
