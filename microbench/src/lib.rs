@@ -17,6 +17,7 @@ pub mod plan;
 pub mod report;
 pub mod spawn;
 pub mod stats;
+pub mod suite;
 pub mod target;
 pub mod wire;
 

@@ -38,6 +38,9 @@ enum Cmd {
     /// The decode_sent → first_token clock: P and D step loops around the connector core,
     /// real transfers through the engine, per reservation policy × send mode.
     Clock(kvwire_bench::clock::ClockArgs),
+    /// The loopback A/B report: transfer, layerwise, clock and calibrate in one run, into
+    /// report.md with the JSON, PNG, timeline and cost.json files.
+    Report(kvwire_bench::suite::ReportArgs),
 }
 
 #[derive(Clone, Copy, ValueEnum)]
@@ -134,6 +137,7 @@ fn main() -> ExitCode {
         Cmd::Layerwise(a) => layerwise::run(a),
         Cmd::Calibrate(a) => Ok(kvwire_bench::calibrate::run_cli(&a)),
         Cmd::Clock(a) => Ok(kvwire_bench::clock::cli_main(&a)),
+        Cmd::Report(a) => Ok(kvwire_bench::suite::run(&a)),
     };
     match result {
         Ok(code) => code,
