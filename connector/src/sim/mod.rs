@@ -12,6 +12,7 @@
 //! [`SimConfig::strict`] the run stops at the first violation. Same seed, same run.
 
 pub mod check;
+pub mod queue;
 pub mod rng;
 
 use crate::dside::{DAction, DConfig, DEvent, DSide, DStats};
@@ -20,9 +21,9 @@ use crate::pside::{PAction, PConfig, PEvent, PSide, PStats};
 use crate::timeline::{Outcome, TimelineRecord};
 use crate::types::{BlockId, IdMap, Nanos, PeerId, Policy, RequestId, SendMode, MS, SEC};
 use check::{Checker, Role, Violation};
+use queue::EventQueue;
 use rng::Rng;
-use std::cmp::Ordering;
-use std::collections::{BTreeMap, BinaryHeap, VecDeque};
+use std::collections::{BTreeMap, VecDeque};
 use std::sync::Arc;
 
 /// The D engine's peer id as P cores see it.
@@ -418,28 +419,6 @@ struct Landing {
     dst: Arc<[BlockId]>,
 }
 
-struct Queued {
-    at: Nanos,
-    seq: u64,
-    ev: Ev,
-}
-impl PartialEq for Queued {
-    fn eq(&self, o: &Self) -> bool {
-        self.at == o.at && self.seq == o.seq
-    }
-}
-impl Eq for Queued {}
-impl PartialOrd for Queued {
-    fn partial_cmp(&self, o: &Self) -> Option<Ordering> {
-        Some(self.cmp(o))
-    }
-}
-impl Ord for Queued {
-    fn cmp(&self, o: &Self) -> Ordering {
-        (o.at, o.seq).cmp(&(self.at, self.seq))
-    }
-}
-
 struct Pool {
     free: Vec<BlockId>,
 }
@@ -524,8 +503,7 @@ struct Sim {
     /// Injected failures.
     rng_fault: Rng,
     now: Nanos,
-    seq: u64,
-    heap: BinaryHeap<Queued>,
+    queue: EventQueue<Ev>,
     reqs: Vec<ReqSpec>,
     sessions: Vec<Session>,
     ps: Vec<PEngine>,
@@ -617,8 +595,7 @@ impl Sim {
             cfg,
             rng,
             now: 0,
-            seq: 0,
-            heap: BinaryHeap::new(),
+            queue: EventQueue::new(),
             reqs: Vec::new(),
             sessions,
             ps,
@@ -637,12 +614,7 @@ impl Sim {
     }
 
     fn at(&mut self, at: Nanos, ev: Ev) {
-        self.seq += 1;
-        self.heap.push(Queued {
-            at,
-            seq: self.seq,
-            ev,
-        });
+        self.queue.push(at, ev);
     }
 
     fn run(&mut self) {
@@ -660,10 +632,10 @@ impl Sim {
         }
         self.drain_d();
         self.at(0, Ev::Arrival);
-        while let Some(q) = self.heap.pop() {
-            self.now = q.at;
+        while let Some((at, ev)) = self.queue.pop() {
+            self.now = at;
             self.events += 1;
-            self.dispatch(q.ev);
+            self.dispatch(ev);
             if self.cfg.strict {
                 self.step_check();
                 if !self.check.violations().is_empty() {

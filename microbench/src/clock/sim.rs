@@ -1,11 +1,11 @@
 //! One cell of the matrix: P and D step loops on a virtual clock around the connector cores,
 //! with every layer moved through the real [`DataPath`].
 
-use std::cmp::Ordering;
-use std::collections::{BinaryHeap, VecDeque};
+use std::collections::VecDeque;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
+use kvwire_connector::sim::queue::EventQueue;
 use kvwire_connector::{
     DAction, DConfig, DEvent, DSide, Message, Nanos, PAction, PConfig, PEvent, PSide, PeerId,
     Policy, RequestId, SendMode, TimelineRecord, SEC,
@@ -72,28 +72,6 @@ enum Ev {
     PWake(Nanos),
 }
 
-struct Queued {
-    at: Nanos,
-    seq: u64,
-    ev: Ev,
-}
-impl PartialEq for Queued {
-    fn eq(&self, o: &Self) -> bool {
-        self.at == o.at && self.seq == o.seq
-    }
-}
-impl Eq for Queued {}
-impl PartialOrd for Queued {
-    fn partial_cmp(&self, o: &Self) -> Option<Ordering> {
-        Some(self.cmp(o))
-    }
-}
-impl Ord for Queued {
-    fn cmp(&self, o: &Self) -> Ordering {
-        (o.at, o.seq).cmp(&(self.at, self.seq))
-    }
-}
-
 /// A block pool: a free list; allocation takes the tail (runs of adjacent ids come out
 /// together, as in a fresh vLLM pool).
 struct Pool {
@@ -136,8 +114,7 @@ struct Cell<'a> {
     dp: &'a mut DataPath,
     fixed: Duration,
     now: Nanos,
-    seq: u64,
-    heap: BinaryHeap<Queued>,
+    queue: EventQueue<Ev>,
     st: Vec<ReqState>,
     // P engine
     p: PSide,
@@ -199,8 +176,7 @@ pub fn run_cell(
         dp,
         fixed,
         now: 0,
-        seq: 0,
-        heap: BinaryHeap::new(),
+        queue: EventQueue::new(),
         st: (0..n).map(|_| ReqState::default()).collect(),
         p: PSide::new(pc),
         p_pool: Pool::new(cfg.p_pool_blocks),
@@ -252,12 +228,7 @@ pub fn run_cell(
 
 impl Cell<'_> {
     fn at(&mut self, at: Nanos, ev: Ev) {
-        self.seq += 1;
-        self.heap.push(Queued {
-            at,
-            seq: self.seq,
-            ev,
-        });
+        self.queue.push(at, ev);
     }
 
     fn blocks_of(&self, req: u64) -> u32 {
@@ -294,9 +265,9 @@ impl Cell<'_> {
         self.drain_p()?;
         self.drain_d()?;
         let mut ended = 0usize;
-        while let Some(q) = self.heap.pop() {
-            self.now = q.at;
-            self.dispatch(q.ev)?;
+        while let Some((at, ev)) = self.queue.pop() {
+            self.now = at;
+            self.dispatch(ev)?;
             ended = self.d_records.len();
             if ended == self.specs.len() && self.running.is_empty() && self.p.live_requests() == 0 {
                 break;
