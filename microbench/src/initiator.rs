@@ -4,6 +4,27 @@
 //! Timing covers only the engine calls (submit to completion). Generating each operation's
 //! data, checksumming it, and waiting for the target's verdicts happen between timed
 //! operations. GB/s is therefore bytes over the summed time with operations in flight.
+//!
+//! The serial and batch phases submit their timed writes with no notification: the peer
+//! benches send none either. What each write put where (ranges and CRC-32) is kept in a
+//! record and sent to the target, as tags of batches with no writes, before every verdict
+//! request (so before any destination byte is reused) and at the end of each phase, all
+//! outside the timed section. This checks every byte as a per-write tag would, because each
+//! timed write (or batch) is waited to completion before the next is submitted, and
+//! completion means the bytes are in the target's memory:
+//!
+//! * TCP (`transfer/src/transport/tcp.rs`): the target reads each write slice's payload into
+//!   the region and only then queues the slice's ack; the batch completes when every slice
+//!   was acked, tracked (with a notification) or not.
+//! * shm (`transfer/src/transport/shm.rs`): the initiator itself copies into the target's
+//!   mapped memfd (or with `process_vm_writev`); the batch completes after the copy, and the
+//!   record's notification is sent over the control connection after that.
+//! * RDMA (`transfer/src/transport/rdma.rs`): a batch completes when every RDMA WRITE's
+//!   work completion arrived, which on a reliable connection follows the responder's ack;
+//!   a batch with no writes completes after its notification went on the control connection.
+//!
+//! The KV-layer pattern keeps one notification per layer (timed), as the connector's layer
+//! writes carry one; each row reports how many notifications its timed section sent.
 
 use std::net::SocketAddr;
 use std::time::{Duration, Instant};
@@ -20,10 +41,15 @@ use crate::plan::{fmt_size, Plan};
 use crate::report::{hostname, KvShape, Pattern, Report, Row, TargetSummary};
 use crate::stats::{gbps, Samples};
 use crate::target::{CONTROL_LEN, FLUSH_OFFSET};
-use crate::wire::{Phase, Range, Tag, Verdict, WireError, VERDICT_LEN};
+use crate::wire::{Phase, Range, Tag, Verdict, WireError, MAX_TAG_RANGES, VERDICT_LEN};
 
 /// Per-batch deadline handed to the engine.
 const BATCH_DEADLINE: Duration = Duration::from_secs(60);
+/// The serial and batch phases write into a window of at least this many bytes of the
+/// target's region (8 slots at least, the whole region at most), then ask for a verdict and
+/// start over: destinations stay as warm as a peer bench's fixed buffer, while no byte is
+/// overwritten before the target checked it.
+const DST_WINDOW: u64 = 1 << 20;
 /// Bound on waiting for the target's verdict after a flush.
 const VERDICT_TIMEOUT: Duration = Duration::from_secs(120);
 
@@ -132,6 +158,7 @@ pub fn run(cfg: &RunConfig) -> Result<Report, BenchError> {
         r_ctrl: ctrl.id,
         seq: 0,
         tags_sent: 0,
+        record: Record::default(),
         buf: Vec::new(),
         read_checked: 0,
         read_mismatches: 0,
@@ -205,6 +232,24 @@ fn run_id() -> u64 {
     (t ^ ((std::process::id() as u64) << 32)) | 1
 }
 
+/// Ranges written by completed, untagged writes of one phase, in order, with the CRC-32 of
+/// their bytes concatenated in that order.
+struct Record {
+    phase: Phase,
+    ranges: Vec<Range>,
+    crc: crc32fast::Hasher,
+}
+
+impl Default for Record {
+    fn default() -> Self {
+        Record {
+            phase: Phase::Serial,
+            ranges: Vec::new(),
+            crc: crc32fast::Hasher::new(),
+        }
+    }
+}
+
 struct Bench<'a> {
     engine: Engine,
     peer: Peer,
@@ -218,6 +263,8 @@ struct Bench<'a> {
     r_ctrl: RegionId,
     seq: u64,
     tags_sent: u64,
+    /// Writes completed since the last record was sent (see the module docs).
+    record: Record,
     buf: Vec<u8>,
     read_checked: u64,
     read_mismatches: u64,
@@ -282,8 +329,62 @@ impl Bench<'_> {
         Ok(t0.elapsed())
     }
 
-    /// Asks the target to check every tag sent so far and returns its verdict.
+    /// Submits one write batch without a notification and waits for it; returns the time
+    /// from submit to completion (the timed section holds exactly these two calls).
+    fn timed(&mut self, ops: &[Op], what: Phase) -> Result<Duration, BenchError> {
+        let t0 = Instant::now();
+        let batch = self
+            .engine
+            .write(&self.peer, ops, None, Some(BATCH_DEADLINE))
+            .ctx(|| format!("submitting a {what:?} batch"))?;
+        batch
+            .wait()
+            .ctx(|| format!("waiting for a {what:?} batch"))?;
+        Ok(t0.elapsed())
+    }
+
+    /// Adds the ranges of a completed untagged write batch (and the CRC-32 of their bytes,
+    /// in order) to the record; sends the record first if it is of another phase or full.
+    fn note(
+        &mut self,
+        phase: Phase,
+        ranges: &[Range],
+        crc: &crc32fast::Hasher,
+    ) -> Result<(), BenchError> {
+        if !self.record.ranges.is_empty()
+            && (self.record.phase != phase
+                || self.record.ranges.len() + ranges.len() > MAX_TAG_RANGES)
+        {
+            self.send_record()?;
+        }
+        self.record.phase = phase;
+        self.record.ranges.extend_from_slice(ranges);
+        self.record.crc.combine(crc);
+        Ok(())
+    }
+
+    /// Untimed: sends the record of the untagged writes as the tag of a batch with no writes.
+    fn send_record(&mut self) -> Result<(), BenchError> {
+        if self.record.ranges.is_empty() {
+            return Ok(());
+        }
+        let rec = std::mem::take(&mut self.record);
+        let tag = Tag {
+            run: self.run,
+            phase: rec.phase,
+            seq: self.next_seq(),
+            flush_total: 0,
+            crc: rec.crc.finalize(),
+            ranges: rec.ranges,
+        };
+        self.send(&[], tag, false)?;
+        Ok(())
+    }
+
+    /// Asks the target to check every tag sent so far (the pending record first) and
+    /// returns its verdict.
     fn flush(&mut self) -> Result<Verdict, BenchError> {
+        self.send_record()?;
         let seq = self.next_seq();
         let tag = Tag {
             run: self.run,
@@ -408,7 +509,7 @@ impl Bench<'_> {
     /// the destination, the CRC of what the last write there put in (for the read-back).
     fn serial(&mut self, size: u64) -> Result<(Row, Vec<Option<u32>>), BenchError> {
         let p = self.plan;
-        let dst_slots = (self.r_data_len / size).max(1);
+        let dst_slots = (self.r_data_len / size).clamp(1, (DST_WINDOW / size).max(8));
         let src_slots = (p.data_region_len() / size).clamp(1, 8);
         let max_ops = (p.max_ops as u64).min((p.max_bytes / size).max(5));
         let mut expected = vec![None; (p.read_max_ops as u64).min(dst_slots) as usize];
@@ -423,25 +524,17 @@ impl Bench<'_> {
             }
             let (slot, sslot) = (i % dst_slots, i % src_slots);
             let seq = self.next_seq();
-            let crc = self
-                .stage(Phase::Serial, seq, 0, sslot * size, size)?
-                .finalize();
+            let h = self.stage(Phase::Serial, seq, 0, sslot * size, size)?;
             if let Some(e) = expected.get_mut(slot as usize) {
-                *e = Some(crc);
+                *e = Some(h.clone().finalize());
             }
-            let tag = Tag {
-                run: self.run,
-                phase: Phase::Serial,
-                seq,
-                flush_total: 0,
-                crc,
-                ranges: vec![Range {
-                    offset: slot * size,
-                    len: size,
-                }],
-            };
             let op = self.op(sslot * size, slot * size, size);
-            lat.push(self.send(&[op], tag, false)?);
+            lat.push(self.timed(&[op], Phase::Serial)?);
+            let range = Range {
+                offset: slot * size,
+                len: size,
+            };
+            self.note(Phase::Serial, &[range], &h)?;
         }
         let v = self.flush()?;
         let verified = self.phase_ok(v);
@@ -459,20 +552,25 @@ impl Bench<'_> {
                 batch: None,
                 batches: None,
                 kv: None,
+                timed_notifications: 0,
             },
             expected,
         ))
     }
 
-    /// Reads back what the serial phase left in the first destination slots and compares
-    /// every byte (by CRC) with what was written.
+    /// Reads back what the serial phase left in its destination slots (cycling through them
+    /// up to `read_max_ops` reads) and compares every byte (by CRC) with what was written.
     fn read_back(&mut self, size: u64, expected: &[Option<u32>]) -> Result<Row, BenchError> {
         let p = self.plan;
         let mut lat = Samples::new();
         let mut bad = 0u64;
         let t_phase = Instant::now();
-        for (slot, want) in expected.iter().enumerate() {
-            let Some(want) = *want else { continue };
+        let written: Vec<(usize, u32)> = expected
+            .iter()
+            .enumerate()
+            .filter_map(|(slot, w)| w.map(|w| (slot, w)))
+            .collect();
+        for &(slot, want) in written.iter().cycle().take(p.read_max_ops) {
             if t_phase.elapsed().as_secs_f64() > p.read_max_secs && !lat.is_empty() {
                 break;
             }
@@ -513,6 +611,7 @@ impl Bench<'_> {
             batch: None,
             batches: None,
             kv: None,
+            timed_notifications: 0,
         })
     }
 
@@ -520,7 +619,7 @@ impl Bench<'_> {
     fn batch(&mut self, size: u64) -> Result<Row, BenchError> {
         let p = self.plan;
         let n = p.batch as u64;
-        let batch_slots = self.r_data_len / (size * n);
+        let batch_slots = (self.r_data_len / (size * n)).min((DST_WINDOW / (size * n)).max(2));
         if batch_slots == 0 {
             return Err(BenchError::Plan(format!(
                 "a batch of {n} x {size} bytes does not fit the target's {} byte region",
@@ -553,15 +652,8 @@ impl Bench<'_> {
                     len: size,
                 });
             }
-            let tag = Tag {
-                run: self.run,
-                phase: Phase::Batch,
-                seq,
-                flush_total: 0,
-                crc: crc.finalize(),
-                ranges,
-            };
-            lat.push(self.send(&ops, tag, false)?);
+            lat.push(self.timed(&ops, Phase::Batch)?);
+            self.note(Phase::Batch, &ranges, &crc)?;
         }
         let v = self.flush()?;
         let verified = self.phase_ok(v);
@@ -578,6 +670,7 @@ impl Bench<'_> {
             batch: Some(p.batch),
             batches: Some(batches),
             kv: None,
+            timed_notifications: 0,
         })
     }
 
@@ -706,6 +799,8 @@ impl Bench<'_> {
             verified: verified && bad == 0 && rounds > 0,
             batch: None,
             batches: None,
+            // one per layer of every timed round, inside the timed section
+            timed_notifications: lat.len() as u64,
             kv: Some(KvShape {
                 layers,
                 blocks: blocks as usize,

@@ -51,6 +51,8 @@ enum TransportArg {
     Tcp,
     /// shared memory (same host only)
     Shm,
+    /// RDMA verbs (device: $KVWIRE_RDMA_DEVICE, else the first usable one)
+    Rdma,
 }
 
 impl From<TransportArg> for TransportKind {
@@ -59,6 +61,7 @@ impl From<TransportArg> for TransportKind {
             TransportArg::Auto => TransportKind::Auto,
             TransportArg::Tcp => TransportKind::Tcp,
             TransportArg::Shm => TransportKind::Shm,
+            TransportArg::Rdma => TransportKind::Rdma,
         }
     }
 }

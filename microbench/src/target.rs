@@ -43,6 +43,14 @@ pub enum TargetFault {
         /// Which data tag.
         nth: u64,
     },
+    /// Like `CorruptBeforeVerify`, but flips the first byte of range `range` of that tag
+    /// (nothing when the tag has fewer ranges).
+    CorruptRangeBeforeVerify {
+        /// Which data tag.
+        nth: u64,
+        /// Which of its ranges (0-based).
+        range: usize,
+    },
 }
 
 /// How to start a target.
@@ -232,10 +240,19 @@ impl Verifier {
         }
         if !tag.ranges.is_empty() && tag.phase != Phase::Warmup {
             self.data_tags += 1;
-            if let Some(TargetFault::CorruptBeforeVerify { nth }) = self.fault {
-                if nth == self.data_tags {
-                    self.corrupt(tag.ranges[0].offset);
+            let hit = match self.fault {
+                Some(TargetFault::CorruptBeforeVerify { nth }) if nth == self.data_tags => {
+                    tag.ranges.first()
                 }
+                Some(TargetFault::CorruptRangeBeforeVerify { nth, range })
+                    if nth == self.data_tags =>
+                {
+                    tag.ranges.get(range)
+                }
+                _ => None,
+            };
+            if let Some(r) = hit {
+                self.corrupt(r.offset);
             }
         }
         let mut h = crc32fast::Hasher::new();

@@ -1,8 +1,10 @@
 //! The two small records the bench's initiator and target exchange through the engine.
 //!
-//! * A [`Tag`] rides as the notification of every measured batch. It names the ranges of
-//!   the target's data region the batch wrote and the CRC-32 of their bytes (concatenated in
-//!   the order listed), so the target can check what landed.
+//! * A [`Tag`] names ranges of the target's data region and the CRC-32 of their bytes
+//!   (concatenated in the order listed), so the target can check what landed. The serial and
+//!   batch phases send no notification with their timed writes: after the writes completed
+//!   they send the record of all of them as tags of a batch with no writes, outside the timed
+//!   section. Each KV layer carries its own tag, as the connector's layer writes do.
 //! * A [`Verdict`] is what the target found. It lives at the start of the target's control
 //!   region; the initiator fetches it with an engine `read`. It ends with its own CRC-32, so
 //!   a copy torn by a concurrent update is recognised and fetched again.
@@ -15,10 +17,17 @@ pub const TAG_MAGIC: [u8; 4] = *b"KVWB";
 pub const VERDICT_MAGIC: [u8; 4] = *b"KVWV";
 /// Version of both records.
 pub const WIRE_VERSION: u8 = 1;
-/// Most ranges one tag may carry.
+/// Most writes in one batch or KV layer (the plan's bound).
 pub const MAX_RANGES: usize = 64;
+/// Most ranges one tag may carry: a record of the writes since the last verdict is split
+/// into tags of at most this many ranges, each within the engine's notification size limit.
+pub const MAX_TAG_RANGES: usize = 4000;
 /// Bytes of a tag before its ranges.
 pub const TAG_HEADER_LEN: usize = 36;
+
+const _: () =
+    assert!(TAG_HEADER_LEN + 16 * MAX_TAG_RANGES <= kvwire_transfer::wire::MAX_TAG as usize);
+const _: () = assert!(MAX_RANGES <= MAX_TAG_RANGES);
 /// Encoded length of a verdict.
 pub const VERDICT_LEN: usize = 88;
 
@@ -39,7 +48,7 @@ pub enum WireError {
     /// A version this build does not speak.
     #[error("unsupported record version {0}")]
     Version(u8),
-    /// More ranges than [`MAX_RANGES`].
+    /// More ranges than [`MAX_TAG_RANGES`].
     #[error("too many ranges: {0}")]
     TooManyRanges(usize),
     /// Bytes after the end of the record.
@@ -163,7 +172,7 @@ impl Tag {
         }
         let phase = Phase::from_u8(b[5])?;
         let n = u16::from_le_bytes([b[6], b[7]]) as usize;
-        if n > MAX_RANGES {
+        if n > MAX_TAG_RANGES {
             return Err(WireError::TooManyRanges(n));
         }
         let want = TAG_HEADER_LEN + 16 * n;

@@ -162,6 +162,62 @@ fn corrupted_bytes_are_detected() {
     }
 }
 
+/// The timed serial and batch writes carry no notification; a byte corrupted in the middle
+/// of the serial phase (the 18th write of the first size, checked through the record sent
+/// after the phase) is still caught by the target and by the read-back.
+#[test]
+fn serial_corruption_is_detected_without_per_write_tags() {
+    for transport in [TransportKind::Tcp, TransportKind::Shm] {
+        // data tag 1 is the record of the first size's serial writes; range 17 is write 18
+        let t = target(
+            TransportKind::Auto,
+            Some(TargetFault::CorruptRangeBeforeVerify { nth: 1, range: 17 }),
+            None,
+        );
+        let r = bench(&t, transport, None).expect("bench runs to the end");
+        assert!(!r.verified, "{transport:?}: corruption went unnoticed");
+        assert_eq!(r.check.mismatches, 1, "{transport:?}");
+        assert!(r.check.read_mismatches >= 1, "{transport:?}");
+        let first = &r.results[0];
+        assert_eq!(first.pattern, Pattern::Serial);
+        assert!(first.ops > 17, "{first:?}");
+        assert!(!first.verified, "{transport:?}");
+        assert!(r
+            .results
+            .iter()
+            .filter(|x| x.size != first.size)
+            .all(|x| x.verified));
+        // no notification inside the timed serial, batch and read sections; one per layer
+        // in the KV pattern
+        let plan = Plan::quick();
+        let mut per_write_tags = 0;
+        for x in &r.results {
+            match x.pattern {
+                Pattern::KvLayer => assert_eq!(
+                    x.timed_notifications,
+                    (plan.kv_rounds * plan.kv_layers) as u64
+                ),
+                Pattern::Serial => {
+                    assert_eq!(x.timed_notifications, 0);
+                    per_write_tags += x.ops;
+                }
+                Pattern::Batch => {
+                    assert_eq!(x.timed_notifications, 0);
+                    per_write_tags += x.batches.unwrap_or(0);
+                }
+                Pattern::Read => assert_eq!(x.timed_notifications, 0),
+            }
+        }
+        // a tag per timed write would need at least this many
+        assert!(
+            r.check.tags_sent < per_write_tags,
+            "{} tags for {per_write_tags} timed batches",
+            r.check.tags_sent
+        );
+        assert_eq!(r.check.tags_seen, r.check.tags_sent);
+    }
+}
+
 #[test]
 fn target_region_too_small_is_a_plan_error() {
     let t = Target::start(ServeConfig {

@@ -1,0 +1,137 @@
+#!/bin/bash
+# tests/vm/bench_rdma.sh — `kvwire-bench transfer --transport rdma` next to perftest's
+# ib_write_bw, both in ONE boot of the SoftRoCE guest (tests/vm/run.sh), at 64 KiB and 1 MiB.
+# A bench, not a test: TCG makes every figure slow; only the ratios measured in the same VM
+# run mean something.
+#
+#   bash tests/vm/bench_rdma.sh            # on the host: builds kvwire-bench (release), boots
+#                                          # the VM and runs itself inside it
+#   tests/vm/run.sh tests/vm/bench_rdma.sh <kvwire-bench binary>   # what the host side runs
+#
+# Inside the guest:
+#   1. ib_write_bw rxe1 -> rxe0 (gid index 1, RoCE v2) at each size with 1 and 8 writes in
+#      flight (-t 1, -t 8): the counterparts of kvwire's serial phase (one write in flight)
+#      and batch phase (batches of 8 writes, one batch in flight);
+#   2. `kvwire-bench transfer --serve --transport rdma` on rxe0 (KVWIRE_RDMA_DEVICE=rxe0; the
+#      control connection on 127.0.0.1) and the initiator on rxe1, short plan
+#      (--quick --sizes 64K,1M): every byte checked by the target and read back;
+#   3. one table: kvwire serial / ib_write_bw -t 1 and kvwire batch-8 / ib_write_bw -t 8.
+# Knobs: KVWIRE_BW_ITERS_64K (default 500), KVWIRE_BW_ITERS_1M (default 32),
+#   KVWIRE_BENCH_MAX_SECS (per size and phase, default 10).
+# Exit status: 0 when both benches ran and kvwire verified every byte; 1 otherwise.
+set -u
+cd "$(dirname "$0")/../.."
+ROOT=$(pwd)
+
+if [ "${KVWIRE_VM_GUEST:-0}" != 1 ]; then
+  set -e
+  export CARGO_TARGET_DIR=${CARGO_TARGET_DIR:-$ROOT/target}
+  cargo build --release -j"${KVWIRE_JOBS:-2}" -p kvwire-bench --bin kvwire-bench >&2
+  exec "$ROOT/tests/vm/run.sh" "$ROOT/tests/vm/bench_rdma.sh" "$CARGO_TARGET_DIR/release/kvwire-bench"
+fi
+
+BIN=${1:?usage (inside the VM): bench_rdma.sh <kvwire-bench binary>}
+DEV0=${KVWIRE_RXE_DEV0:-rxe0}
+DEV1=${KVWIRE_RXE_DEV1:-rxe1}
+ITERS_64K=${KVWIRE_BW_ITERS_64K:-500}
+ITERS_1M=${KVWIRE_BW_ITERS_1M:-32}
+MAX_SECS=${KVWIRE_BENCH_MAX_SECS:-10}
+OUT=/tmp/bench_rdma
+mkdir -p "$OUT"
+rc=0
+
+echo "== devices"
+rdma link show
+echo "== guest: $(nproc) vCPUs, $(awk '/MemTotal/ {print $2 / 1024 " MiB"}' /proc/meminfo)"
+
+echo "== perftest ib_write_bw $DEV1 -> $DEV0 (gid index 1, RoCE v2; Gb/s = 1e9 bit/s)"
+port=18600
+for size in 65536 1048576; do
+  iters=$ITERS_64K; [ "$size" = 1048576 ] && iters=$ITERS_1M
+  for depth in 1 8; do
+    port=$((port + 1))
+    timeout 180 ib_write_bw -d "$DEV0" -x 1 -F -p $port -s "$size" -n "$iters" -t $depth --report_gbits \
+      > "$OUT/srv.$size.$depth.log" 2>&1 &
+    srv=$!
+    for _ in $(seq 1 300); do
+      ss -ltn 2>/dev/null | grep -q ":$port " && break
+      sleep 0.1
+    done
+    timeout 180 ib_write_bw -d "$DEV1" -x 1 -F -p $port -s "$size" -n "$iters" -t $depth --report_gbits 10.0.0.1 \
+      > "$OUT/cli.$size.$depth.log" 2>&1
+    crc=$?
+    wait $srv; src=$?
+    # "#bytes #iterations BW peak[Gb/sec] BW average[Gb/sec] MsgRate[Mpps]"
+    line=$(awk -v s="$size" '$1==s && NF>=5 {print; exit}' "$OUT/cli.$size.$depth.log")
+    if [ $crc -ne 0 ] || [ $src -ne 0 ] || [ -z "$line" ]; then
+      echo "ib_write_bw size=$size depth=$depth failed (client rc=$crc server rc=$src)"
+      tail -n 15 "$OUT/cli.$size.$depth.log" "$OUT/srv.$size.$depth.log"
+      rc=1
+      continue
+    fi
+    set -- $line
+    gbs=$(awk -v g="$4" 'BEGIN{printf "%.4f", g / 8}')
+    echo "$gbs" > "$OUT/pt.$size.$depth"
+    echo "ib_write_bw size=$size iters=$2 depth=$depth average=$4 Gb/s = $gbs GB/s"
+  done
+done
+
+echo "== kvwire-bench transfer --transport rdma: serve on $DEV0, initiator on $DEV1"
+KVWIRE_RDMA_DEVICE=$DEV0 timeout 600 "$BIN" transfer --serve --transport rdma --listen 127.0.0.1:7300 \
+  --region-size 8M --serve-secs 590 > "$OUT/serve.out" 2> "$OUT/serve.err" &
+serve=$!
+addr=""
+for _ in $(seq 1 600); do
+  addr=$(sed -n 's/^KVWIRE_BENCH_READY //p' "$OUT/serve.out" 2>/dev/null | head -n 1)
+  [ -n "$addr" ] && break
+  kill -0 $serve 2>/dev/null || break
+  sleep 0.1
+done
+if [ -z "$addr" ]; then
+  echo "the kvwire-bench target did not start:"; cat "$OUT/serve.out" "$OUT/serve.err"
+  kill $serve 2>/dev/null
+  exit 1
+fi
+t0=$(date +%s.%N)
+KVWIRE_RDMA_DEVICE=$DEV1 timeout 600 "$BIN" transfer --transport rdma --target "$addr" --quick \
+  --sizes 64K,1M --max-secs "$MAX_SECS" --no-progress --json "$OUT/kvwire_rdma.json"
+brc=$?
+echo "kvwire-bench exit $brc in $(awk "BEGIN{printf \"%.1f\", $(date +%s.%N) - $t0}") s"
+kill $serve 2>/dev/null
+wait $serve 2>/dev/null
+if [ $brc -ne 0 ]; then
+  echo "== target log"; tail -n 30 "$OUT/serve.err"
+  rc=1
+fi
+
+echo "== comparison (same VM run; GB/s = 1e9 B/s)"
+python3 - "$OUT" <<'EOF' || rc=1
+import json, os, sys
+out = sys.argv[1]
+try:
+    d = json.load(open(os.path.join(out, "kvwire_rdma.json")))
+except (OSError, ValueError) as e:
+    print(f"no kvwire result: {e}")
+    sys.exit(1)
+def pt(size, depth):
+    try:
+        return float(open(os.path.join(out, f"pt.{size}.{depth}")).read())
+    except (OSError, ValueError):
+        return None
+rows = {(r["pattern"], r["size"]): r for r in d["results"]}
+print(f"kvwire transport={d['transport']} verified={d['verified']} "
+      f"(target checked {d['check']['verified_bytes']} bytes, {d['check']['mismatches']} mismatches; "
+      f"{d['check']['read_bytes_checked']} bytes read back, {d['check']['read_mismatches']} read mismatches)")
+print("| size | kvwire serial p50 us | kvwire serial GB/s | ib_write_bw -t 1 GB/s | ratio | kvwire batch-8 GB/s | ib_write_bw -t 8 GB/s | ratio |")
+print("|---|---|---|---|---|---|---|---|")
+for size in (65536, 1048576):
+    s, b = rows.get(("serial", size)), rows.get(("batch", size))
+    p1, p8 = pt(size, 1), pt(size, 8)
+    r1 = f"{s['gbps'] / p1:.2f}" if s and p1 else "n/a"
+    r8 = f"{b['gbps'] / p8:.2f}" if b and p8 else "n/a"
+    f = lambda x, n=4: "n/a" if x is None else f"{x:.{n}f}"
+    print(f"| {size // 1024} KiB | {f(s and s['p50_us'], 1)} | {f(s and s['gbps'])} | {f(p1)} | {r1} "
+          f"| {f(b and b['gbps'])} | {f(p8)} | {r8} |")
+sys.exit(0 if d["verified"] and d["transport"] == "rdma" else 1)
+EOF
+exit $rc
