@@ -7,6 +7,7 @@ import os
 import socket
 import sys
 import threading
+import time
 
 import pytest
 
@@ -305,6 +306,15 @@ def test_gil_released_while_waiting_for_batch(engine_peer):
             got["err"] = ex
 
     os.kill(peer.proc.pid, signal.SIGSTOP)
+    # kill() returns once the signal is queued: wait until every thread of the peer stopped.
+    tasks = f"/proc/{peer.proc.pid}/task"
+    deadline = time.monotonic() + 10
+    while not all(
+        open(f"{tasks}/{t}/stat").read().rsplit(")", 1)[1].split()[0] in ("T", "t")
+        for t in os.listdir(tasks)
+    ):
+        assert time.monotonic() < deadline, "peer did not stop after SIGSTOP"
+        time.sleep(0.002)
     try:
         t = threading.Thread(target=waiter)
         t.start()

@@ -382,7 +382,7 @@ fn stopped_target_times_out_at_the_deadline() {
     let e = engine(TransportKind::Tcp);
     let src = e.alloc_region(1 << 20, Access::Local).expect("alloc");
     let p = e.connect(stuck.addr).expect("connect");
-    stuck.signal(19); // SIGSTOP
+    stuck.stop(); // SIGSTOP, and wait until every thread is stopped
     let op = Op {
         local: src,
         local_offset: 0,

@@ -280,6 +280,37 @@ impl Target {
             .status();
     }
 
+    /// Sends SIGSTOP and returns once every thread of the child is stopped (`kill` returns
+    /// when the signal is queued, not when each thread has stopped). Bounded: 10 s.
+    pub fn stop(&self) {
+        self.signal(19);
+        let tasks = format!("/proc/{}/task", self.child.id());
+        let all_stopped = || -> bool {
+            let Ok(dir) = std::fs::read_dir(&tasks) else {
+                return false;
+            };
+            dir.filter_map(Result::ok).all(|t| {
+                std::fs::read_to_string(t.path().join("stat"))
+                    .ok()
+                    .and_then(|s| {
+                        // state is the field after the ")" that closes the command name
+                        s.rfind(')')
+                            .and_then(|i| s[i + 1..].split_whitespace().next().map(String::from))
+                    })
+                    .is_some_and(|state| state == "T" || state == "t")
+            })
+        };
+        let t0 = std::time::Instant::now();
+        while !all_stopped() {
+            assert!(
+                t0.elapsed() < Duration::from_secs(10),
+                "child {} did not stop after SIGSTOP",
+                self.child.id()
+            );
+            std::thread::sleep(Duration::from_millis(2));
+        }
+    }
+
     /// Child pid.
     pub fn pid(&self) -> u32 {
         self.child.id()
