@@ -12,8 +12,10 @@
 //! it only does so with `KVWIRE_VM_TESTS=1`, otherwise it prints `SKIPPED` (and fails when
 //! `KVWIRE_REQUIRE_VM=1`).
 
-use std::path::PathBuf;
+mod vm_common;
+
 use std::process::Command;
+
 use std::time::{Duration, Instant};
 
 use kvwire_transfer::{Access, Engine, EngineConfig, Error, Op, Peer, RegionHandle, TransportKind};
@@ -655,36 +657,7 @@ fn in_guest() {
 
 #[test]
 fn engine_rdma_in_softroce_vm() {
-    if std::env::var("KVWIRE_VM_GUEST").is_ok_and(|v| v == "1") {
+    if let vm_common::Vm::Guest = vm_common::run_in_vm(NAME, "ENGINE-RDMA-OK") {
         in_guest();
-        return;
     }
-    let enabled = std::env::var("KVWIRE_VM_TESTS").is_ok_and(|v| v == "1");
-    let required = std::env::var("KVWIRE_REQUIRE_VM").is_ok_and(|v| v == "1");
-    if !enabled {
-        eprintln!("SKIPPED: set KVWIRE_VM_TESTS=1 to boot the SoftRoCE VM (tests/vm/run.sh)");
-        assert!(
-            !required,
-            "KVWIRE_REQUIRE_VM=1 but KVWIRE_VM_TESTS is not 1"
-        );
-        return;
-    }
-    let me = std::env::current_exe().expect("path of this test binary");
-    let root = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("..");
-    let out = Command::new(root.join("tests/vm/run.sh"))
-        .arg(&me)
-        .args([NAME, "--exact", "--nocapture", "--test-threads=1"])
-        .current_dir(&root)
-        .output()
-        .expect("spawn tests/vm/run.sh");
-    let stdout = String::from_utf8_lossy(&out.stdout);
-    println!("{stdout}");
-    eprintln!("{}", String::from_utf8_lossy(&out.stderr));
-    assert_eq!(
-        out.status.code(),
-        Some(0),
-        "engine rdma test in the VM failed"
-    );
-    assert!(stdout.contains("ENGINE-RDMA-OK"), "did not report success");
-    assert!(stdout.contains("test result: ok. 1 passed"));
 }
