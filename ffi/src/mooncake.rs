@@ -371,13 +371,47 @@ impl Inner {
             )));
         }
         let r = self.remote(target)?;
+        let mut retried = false;
+        loop {
+            let ops = self.ops(&r, locals, remotes, lens)?;
+            let res = if write {
+                self.engine.write(&r.peer, &ops, None, Some(self.timeout))
+            } else {
+                self.engine.read(&r.peer, &ops, Some(self.timeout))
+            };
+            match res {
+                Ok(b) => return Ok(b),
+                // The peer re-registered its buffers since we read its map (e.g. vLLM's
+                // unregister_kv_caches/restore_kv_caches around sleep mode): same addresses,
+                // new region ids. Read the map again and rebuild the batch, once.
+                Err(Error::StaleRegion(_) | Error::UnknownRegion(_)) if !retried => {
+                    retried = true;
+                    let fresh = self.fetch_map(&r.peer)?;
+                    *r.map.write() = fresh;
+                }
+                Err(e) => {
+                    self.forget_if_stale(target, &e);
+                    return Err(e.into());
+                }
+            }
+        }
+    }
+
+    /// Maps every (local, peer, length) triple to an engine op; zero lengths are skipped.
+    fn ops(
+        &self,
+        r: &Remote,
+        locals: &[u64],
+        remotes: &[u64],
+        lens: &[u64],
+    ) -> Result<Vec<Op>, MError> {
         let mut ops = Vec::with_capacity(locals.len());
         for ((&l, &p), &n) in locals.iter().zip(remotes).zip(lens) {
             if n == 0 {
                 continue;
             }
             let (local, local_offset) = self.local_op(l, n)?;
-            let (remote, remote_offset) = self.remote_op(&r, p, n)?;
+            let (remote, remote_offset) = self.remote_op(r, p, n)?;
             ops.push(Op {
                 local,
                 local_offset,
@@ -386,18 +420,7 @@ impl Inner {
                 len: n,
             });
         }
-        let res = if write {
-            self.engine.write(&r.peer, &ops, None, Some(self.timeout))
-        } else {
-            self.engine.read(&r.peer, &ops, Some(self.timeout))
-        };
-        match res {
-            Ok(b) => Ok(b),
-            Err(e) => {
-                self.forget_if_stale(target, &e);
-                Err(e.into())
-            }
-        }
+        Ok(ops)
     }
 
     /// Drops a cached peer whose map went stale or whose connection died.

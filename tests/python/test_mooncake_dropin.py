@@ -208,3 +208,27 @@ def test_initialize_contract():
     te2 = TransferEngine()
     assert te2.initialize_ext("127.0.0.1", "P2PHANDSHAKE", "tcp", "", "p2p") == 0
     assert te2.get_local_hostname() == "127.0.0.1:%d" % te2.get_rpc_port()
+
+
+def test_peer_reregisters_same_addresses():
+    """The peer unregisters its buffer and registers the same address again without any
+    transfer in between (vLLM's unregister_kv_caches/restore_kv_caches around sleep mode):
+    our cached address map names the old registration; the next write re-reads the map and
+    succeeds instead of failing once. Bytes checked at the peer."""
+    src_te, dst_te = local_engine(), local_engine()
+    data = pattern(64 * 1024, "rereg")
+    src, saddr = local_buffer(src_te, data)
+    dst, daddr = local_buffer(dst_te, bytes(len(data)))
+    session = dst_te.get_local_hostname()
+    half = len(data) // 2
+    assert src_te.batch_transfer_sync_write(session, [saddr], [daddr], [half]) == 0, src_te.last_error()
+    assert dst_te.batch_unregister_memory([daddr]) == 0
+    assert dst_te.batch_register_memory([daddr], [len(data)]) == 0
+    assert src_te.batch_transfer_sync_write(session, [saddr + half], [daddr + half], [half]) == 0, \
+        src_te.last_error()
+    assert sha(dst_te.read_bytes_from_buffer(daddr, len(data))) == sha(data)
+    # Unregistered and not registered again: refused, nothing written.
+    assert dst_te.unregister_memory(daddr) == 0
+    assert src_te.transfer_sync_write(session, saddr, daddr, 16) == -1
+    assert bytes(dst) == data
+    del src, dst
