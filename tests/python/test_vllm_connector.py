@@ -28,9 +28,9 @@ def pair(mdir):
     sides = []
 
     def make(d_extra=None, p_extra=None, **kw):
-        # TCP: over shm, control notifications between the two schedulers were seen lost
-        # (the batch reported complete, the notification never arrived): an open engine issue.
-        base = {"transport": os.environ.get("KVWIRE_TEST_TRANSPORT", "tcp")}
+        # auto: shm on this host (a completed notified batch has its notification queued at the
+        # target on every transport); KVWIRE_TEST_TRANSPORT=tcp forces TCP.
+        base = {"transport": os.environ.get("KVWIRE_TEST_TRANSPORT", "auto")}
         d = Side("kv_consumer", {**base, "data_listen": f"127.0.0.1:{free_port()}", **(d_extra or {})}, mdir, **kw)
         p = Side("kv_producer", {**base, "data_listen": f"127.0.0.1:{free_port()}", **(p_extra or {})}, mdir)
         sides.extend([d, p])

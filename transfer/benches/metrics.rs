@@ -3,7 +3,9 @@
 //!
 //! `cargo bench -p kvwire-transfer --bench metrics` runs criterion's groups (each variant
 //! measured on its own) and then an interleaved comparison (blocks of writes alternating off/on
-//! in one process) that prints the on/off ratio of the medians.
+//! in one process) that prints the on/off ratio of the medians and the median of the per-round
+//! ratios. Rounds and block sizes of the interleaved runs: `KVWIRE_BENCH_SHM_ROUNDS`,
+//! `KVWIRE_BENCH_SHM_BLOCK`, `KVWIRE_BENCH_TCP_ROUNDS`, `KVWIRE_BENCH_TCP_BLOCK`.
 
 use std::time::{Duration, Instant};
 
@@ -105,17 +107,42 @@ fn interleaved(kind: TransportKind, rounds: usize, block: usize) {
         v.sort_by(f64::total_cmp);
         v[v.len() / 2]
     };
+    // Paired: each round's on/off ratio (its two blocks ran back to back), then the median.
+    let mut paired: Vec<f64> = per[1]
+        .iter()
+        .zip(per[0].iter())
+        .map(|(a, b)| a / b)
+        .collect();
     let (off, on) = (med(&mut per[0]), med(&mut per[1]));
+    let pr = med(&mut paired);
     println!(
         "interleaved write_4KiB {kind:?}: metrics off {off:.0} ns/write, on {on:.0} ns/write, \
-         on/off = {:.4} (medians of {rounds} blocks of {block} writes each)",
+         on/off = {:.4}, median of per-round on/off = {pr:.4} (medians of {rounds} blocks of \
+         {block} writes each)",
         on / off
     );
 }
 
+/// `KVWIRE_BENCH_<NAME>` as a count, else `default`.
+fn env_count(name: &str, default: usize) -> usize {
+    std::env::var(format!("KVWIRE_BENCH_{name}"))
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .filter(|n| *n > 0)
+        .unwrap_or(default)
+}
+
 fn bench_interleaved(_c: &mut Criterion) {
-    interleaved(TransportKind::Shm, 41, 20_000);
-    interleaved(TransportKind::Tcp, 41, 400);
+    interleaved(
+        TransportKind::Shm,
+        env_count("SHM_ROUNDS", 41),
+        env_count("SHM_BLOCK", 20_000),
+    );
+    interleaved(
+        TransportKind::Tcp,
+        env_count("TCP_ROUNDS", 41),
+        env_count("TCP_BLOCK", 400),
+    );
 }
 
 criterion_group! {

@@ -52,9 +52,45 @@ pub struct Descriptor {
 /// Concurrent handshakes accepted at once (beyond this, new connections are closed).
 const MAX_HANDSHAKES: usize = 64;
 
+/// `CtrlMsg::Transport::bit` of the engine's own control messages (not a transport bit).
+const ENGINE_MSG: u8 = 0x80;
+/// Engine message: "answer with [`FENCE_ACK`] once every earlier message was handled".
+const FENCE: u8 = 1;
+/// Engine message: the answer to a [`FENCE`], with its kind and id.
+const FENCE_ACK: u8 = 2;
+/// Fence kind: a notification (id: its batch) was queued by the target.
+const FENCE_NOTIFY: u8 = 1;
+/// Fence kind: the peer handled a region withdrawal (id: the unregister sequence number).
+const FENCE_REGIONS: u8 = 2;
+
+fn engine_msg(op: u8, kind: u8, id: u64) -> CtrlMsg {
+    let mut data = Vec::with_capacity(10);
+    data.push(op);
+    data.push(kind);
+    data.extend_from_slice(&id.to_le_bytes());
+    CtrlMsg::Transport {
+        bit: ENGINE_MSG,
+        data,
+    }
+}
+
+fn parse_engine_msg(d: &[u8]) -> Result<(u8, u8, u64), Error> {
+    if d.len() != 10 {
+        return Err(Error::Protocol(format!(
+            "engine control message of {} bytes",
+            d.len()
+        )));
+    }
+    let mut id = [0u8; 8];
+    id.copy_from_slice(&d[2..]);
+    Ok((d[0], d[1], u64::from_le_bytes(id)))
+}
+
 /// Serialized writer of a peer's control connection.
 pub(crate) struct CtrlWriter {
     s: Mutex<TcpStream>,
+    /// Batches whose notification went out and whose delivery the target has not confirmed.
+    awaiting: Mutex<std::collections::HashSet<u64>>,
 }
 
 impl CtrlWriter {
@@ -62,6 +98,21 @@ impl CtrlWriter {
         let buf = m.encode();
         self.s.lock().write_all(&buf)?;
         Ok(())
+    }
+
+    /// Sends the notification of batch `batch` followed by a fence the target answers once it
+    /// queued the notification. The caller must leave one part of the batch open: the engine
+    /// completes it when the answer arrives (so a completed batch's notification is already
+    /// delivered, as over TCP). Transports that notify over the control connection use this.
+    pub fn send_notify(&self, batch: u64, tag: Vec<u8>) -> Result<(), Error> {
+        let mut buf = CtrlMsg::Notify(tag).encode();
+        buf.extend_from_slice(&engine_msg(FENCE, FENCE_NOTIFY, batch).encode());
+        self.awaiting.lock().insert(batch);
+        let r = self.s.lock().write_all(&buf);
+        if r.is_err() {
+            self.awaiting.lock().remove(&batch);
+        }
+        Ok(r?)
     }
 }
 
@@ -195,6 +246,12 @@ impl Peer {
     pub fn lane_counters(&self) -> Vec<u64> {
         self.inner.transport.lane_counters()
     }
+    /// Work requests posted so far towards this peer per local RDMA device, as `(device,
+    /// count)` for every device of the engine; empty for other transports. For tests and
+    /// diagnostics (spread of traffic over devices).
+    pub fn device_counters(&self) -> Vec<(String, u64)> {
+        self.inner.transport.device_counters()
+    }
     /// How many times a lane of the data path towards this peer was re-established after an
     /// error (RDMA: a queue pair replaced, on either side's request); 0 for other transports.
     pub fn lanes_reestablished(&self) -> u64 {
@@ -215,6 +272,8 @@ pub(crate) struct Core {
     /// Held while (region table change + broadcast) and while (peer insert + region snapshot),
     /// so every peer sees every region change exactly in order.
     reg_lock: Mutex<()>,
+    /// Region withdrawals awaiting confirmation from same-host peers.
+    fences: RegionFences,
     notify: Arc<NotifyQueue>,
     timer: Arc<Timer>,
     shut: AtomicBool,
@@ -227,6 +286,42 @@ pub(crate) struct Core {
     metrics: Arc<EngineMetrics>,
     /// Bound address of the Prometheus endpoint, if one was asked for.
     metrics_addr: Option<SocketAddr>,
+}
+
+/// Region withdrawals (unregister of caller memory) awaiting each same-host peer's answer.
+#[derive(Default)]
+struct RegionFences {
+    next: AtomicU64,
+    /// Fence number -> its state.
+    m: Mutex<HashMap<u64, Fence>>,
+    cv: parking_lot::Condvar,
+}
+
+#[derive(Default)]
+struct Fence {
+    /// Peers that have not answered yet.
+    waiting: std::collections::HashSet<PeerId>,
+    /// Processes of peers disconnected before answering.
+    lost: Vec<u32>,
+}
+
+impl RegionFences {
+    fn acked(&self, seq: u64, peer: PeerId) {
+        if let Some(f) = self.m.lock().get_mut(&seq) {
+            f.waiting.remove(&peer);
+        }
+        self.cv.notify_all();
+    }
+
+    /// A peer was disconnected: it cannot answer any more.
+    fn peer_gone(&self, peer: PeerId, pid: u32) {
+        for f in self.m.lock().values_mut() {
+            if f.waiting.remove(&peer) {
+                f.lost.push(pid);
+            }
+        }
+        self.cv.notify_all();
+    }
 }
 
 struct Handle {
@@ -369,6 +464,7 @@ impl Engine {
             peers: Mutex::new(HashMap::new()),
             tokens: Mutex::new(HashMap::new()),
             reg_lock: Mutex::new(()),
+            fences: RegionFences::default(),
             notify: Arc::new(NotifyQueue::default()),
             timer,
             shut: AtomicBool::new(false),
@@ -457,19 +553,35 @@ impl Engine {
     }
 
     /// Unregisters a region; its handle and id become stale everywhere.
+    ///
+    /// For caller memory ([`Engine::register_raw`]) offered to peers, same-host peers copy into
+    /// it directly (shm), so this waits until every such peer confirmed that it withdrew the
+    /// region and that none of its copies into it is still running; copies it has not started
+    /// fail with [`Error::StaleRegion`]. Once this returns `Ok`, no peer writes into the memory.
+    /// A peer that does not confirm within `EngineConfig::default_deadline` is disconnected and
+    /// this returns [`Error::Timeout`]; one disconnected before answering while its process
+    /// lives gives [`Error::PeerDead`]. In both cases the region is withdrawn, but a copy that
+    /// peer had already begun may still land, so the memory must not be reused then.
     pub fn unregister(&self, r: RegionHandle) -> Result<(), Error> {
         let core = self.core();
-        let _g = core.reg_lock.lock();
-        let e = core.regions.remove(r)?;
-        for t in &core.transports {
-            t.region_removed(e.id);
+        let fence = {
+            let _g = core.reg_lock.lock();
+            let e = core.regions.remove(r)?;
+            for t in &core.transports {
+                t.region_removed(e.id);
+            }
+            core.metrics.unregistrations.fetch_add(1, Ordering::Relaxed);
+            tracing::debug!(region = ?e.id, "region unregistered");
+            if e.access.offered() {
+                core.withdraw(e.id, e.mem.memfd().is_none())
+            } else {
+                None
+            }
+        };
+        match fence {
+            Some(seq) => core.await_fence(seq),
+            None => Ok(()),
         }
-        core.metrics.unregistrations.fetch_add(1, Ordering::Relaxed);
-        tracing::debug!(region = ?e.id, "region unregistered");
-        if e.access.offered() {
-            core.broadcast(|_| CtrlMsg::RegionsRemoved(vec![e.id]));
-        }
-        Ok(())
     }
 
     /// Copies `data` into a local region.
@@ -567,6 +679,19 @@ impl Engine {
 
     /// Submits a batch of writes (local → remote), with an optional notification delivered to
     /// the target after every byte landed. One completion for the whole batch.
+    ///
+    /// Notification guarantees, on every transport:
+    /// * a notification is delivered at most once, and only after every byte of its batch
+    ///   landed; a batch with a refused slice never delivers it;
+    /// * when the batch completes successfully, its notification is already queued at the
+    ///   target ([`Engine::notifications`]). Hence notifications follow completion order: if
+    ///   batch A completed before batch B was submitted (to the same target engine, from any
+    ///   thread or peer connection), A's notification is received before B's. Batches in flight
+    ///   at the same time carry no order between each other (TCP spreads them over lanes),
+    ///   except over shm, where batches submitted one after the other to a peer are notified in
+    ///   submission order.
+    ///
+    /// A failed batch (deadline, dead peer) may or may not have delivered its notification.
     pub fn write(
         &self,
         peer: &Peer,
@@ -809,6 +934,93 @@ impl Core {
         Ok(h)
     }
 
+    /// Tells every peer that region `id` is gone (callers hold `reg_lock`). For caller memory,
+    /// same-host peers (which may be copying into it) also get a fence; returns its number.
+    fn withdraw(&self, id: RegionId, raw: bool) -> Option<u64> {
+        let peers: Vec<_> = self.peers.lock().values().cloned().collect();
+        let seq = self.fences.next.fetch_add(1, Ordering::Relaxed);
+        let fenced: Vec<(PeerId, u32)> = peers
+            .iter()
+            .filter(|p| raw && p.same_host)
+            .map(|p| (p.id, p.remote_host.pid))
+            .collect();
+        if !fenced.is_empty() {
+            // Registered before anything is sent: an answer may come back at once.
+            self.fences.m.lock().insert(
+                seq,
+                Fence {
+                    waiting: fenced.iter().map(|f| f.0).collect(),
+                    lost: Vec::new(),
+                },
+            );
+        }
+        for p in peers {
+            let mut buf = CtrlMsg::RegionsRemoved(vec![id]).encode();
+            let fence = raw && p.same_host;
+            if fence {
+                buf.extend_from_slice(&engine_msg(FENCE, FENCE_REGIONS, seq).encode());
+            }
+            let sent = p.ctrl.s.lock().write_all(&buf);
+            if let Err(e) = sent {
+                tracing::debug!(peer = ?p.id, error = %e, "region withdrawal not sent");
+                if fence {
+                    // It cannot answer (counted as lost by `kill_peer`).
+                    self.kill_peer(p.id, &format!("region withdrawal not sent: {e}"), false);
+                }
+            }
+        }
+        // Peers disconnected since the snapshot will never answer.
+        for (peer, pid) in &fenced {
+            if !self.peers.lock().contains_key(peer) {
+                self.fences.peer_gone(*peer, *pid);
+            }
+        }
+        (!fenced.is_empty()).then_some(seq)
+    }
+
+    /// Waits until every peer of fence `seq` confirmed it or went away (bounded by
+    /// `default_deadline`; peers still silent then are disconnected, `Error::Timeout`).
+    fn await_fence(&self, seq: u64) -> Result<(), Error> {
+        let until = Instant::now() + self.cfg.default_deadline;
+        let mut m = self.fences.m.lock();
+        loop {
+            let left = m.get(&seq).map_or(0, |f| f.waiting.len());
+            if left == 0 {
+                let f = m.remove(&seq).unwrap_or_default();
+                drop(m);
+                // A peer that went away without answering is harmless only if its process is
+                // gone too (a live one may still be inside a copy it began).
+                let alive: Vec<u32> = f
+                    .lost
+                    .into_iter()
+                    .filter(|pid| std::path::Path::new(&format!("/proc/{pid}")).exists())
+                    .collect();
+                if alive.is_empty() {
+                    return Ok(());
+                }
+                return Err(Error::PeerDead(format!(
+                    "same-host peer process(es) {alive:?} disconnected before confirming the \
+                     region withdrawal; a copy already begun may still land"
+                )));
+            }
+            if self.fences.cv.wait_until(&mut m, until).timed_out() {
+                let silent = m.remove(&seq).map(|f| f.waiting).unwrap_or_default();
+                drop(m);
+                if silent.is_empty() {
+                    return Ok(());
+                }
+                for id in silent {
+                    self.kill_peer(
+                        id,
+                        "did not confirm a region withdrawal before the deadline",
+                        false,
+                    );
+                }
+                return Err(Error::Timeout);
+            }
+        }
+    }
+
     /// Sends a control message to every peer (callers hold `reg_lock`).
     fn broadcast(&self, msg: impl Fn(&PeerInner) -> CtrlMsg) {
         let peers: Vec<_> = self.peers.lock().values().cloned().collect();
@@ -864,6 +1076,7 @@ impl Core {
         s.set_write_timeout(Some(self.cfg.connect_timeout.max(Duration::from_secs(1))))?;
         let ctrl = Arc::new(CtrlWriter {
             s: Mutex::new(s.try_clone()?),
+            awaiting: Mutex::new(std::collections::HashSet::new()),
         });
         let obs = self.cfg.metrics.then(|| self.metrics.peer_obs(hs.kind));
         let pending = Arc::new(Pending::with_obs(obs));
@@ -1019,7 +1232,9 @@ impl Core {
             t.close();
         }
         p.tracker.clear();
+        p.ctrl.awaiting.lock().clear();
         let _ = p.ctrl_stream.shutdown(Shutdown::Both);
+        self.fences.peer_gone(id, p.remote_host.pid);
         for s in p.inbound_lanes.lock().drain(..) {
             let _ = s.shutdown(Shutdown::Both);
         }
@@ -1430,6 +1645,14 @@ fn ctrl_loop(core: Weak<Core>, p: Arc<PeerInner>, mut s: TcpStream) {
                     c.notify.push(Notification { peer: p.id, tag });
                 }
             }
+            CtrlMsg::Transport {
+                bit: ENGINE_MSG,
+                data,
+            } => {
+                if let Err(e) = on_engine_msg(&core, &p, &data) {
+                    break format!("engine control message: {e}");
+                }
+            }
             CtrlMsg::Transport { bit, data } => {
                 let t = std::iter::once(&p.transport)
                     .chain(p.passive.iter())
@@ -1449,5 +1672,36 @@ fn ctrl_loop(core: Weak<Core>, p: Arc<PeerInner>, mut s: TcpStream) {
     };
     if let Some(c) = core.upgrade() {
         c.kill_peer(p.id, &reason, c.shut.load(Ordering::Acquire));
+    }
+}
+
+/// An engine control message from peer `p` (fences and their answers).
+fn on_engine_msg(core: &Weak<Core>, p: &Arc<PeerInner>, data: &[u8]) -> Result<(), Error> {
+    let (op, kind, id) = parse_engine_msg(data)?;
+    match (op, kind) {
+        // Everything the peer sent before the fence was handled (in order, on this thread):
+        // its notification is queued, its region withdrawal took effect.
+        (FENCE, FENCE_NOTIFY | FENCE_REGIONS) => p.ctrl.send(&engine_msg(FENCE_ACK, kind, id)),
+        (FENCE_ACK, FENCE_NOTIFY) => {
+            if p.ctrl.awaiting.lock().remove(&id) {
+                if let Some(st) = p.pending.get(id) {
+                    st.part_done();
+                }
+                Ok(())
+            } else {
+                Err(Error::Protocol(format!(
+                    "notification confirmed for batch {id}, which awaits none"
+                )))
+            }
+        }
+        (FENCE_ACK, FENCE_REGIONS) => {
+            if let Some(c) = core.upgrade() {
+                c.fences.acked(id, p.id);
+            }
+            Ok(())
+        }
+        _ => Err(Error::Protocol(format!(
+            "unknown engine control message {op}/{kind}"
+        ))),
     }
 }

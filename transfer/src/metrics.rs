@@ -5,7 +5,10 @@
 //! Recording points: a batch is counted as submitted when its transport registers it with the
 //! peer's in-flight map, and as completed (latency, bytes, or its error kind) when its outcome is
 //! decided, before any waiter can see that outcome; submit-time refusals and connect failures are
-//! counted by the engine. Per-peer counters live with the peer and are summed on export.
+//! counted by the engine. Per-peer counters live with the peer and are summed on export: a
+//! completed batch updates one cache line of its peer (latency bucket and sum, bytes, ops,
+//! slices for its direction and size class; five relaxed atomics); batch counts and the
+//! per-transport latency histograms are derived from those at export.
 
 use std::fmt::Write as _;
 use std::io::{Read, Write};
@@ -119,36 +122,131 @@ fn bucket_of(d: Duration) -> usize {
     }
 }
 
-/// A latency histogram with fixed log2 buckets (the count is the sum of the buckets).
-pub(crate) struct Histogram {
-    buckets: [AtomicU64; BUCKETS],
+/// What every completed batch of one peer, direction and size class updates, in one cache line
+/// for fast batches: latency sum, bytes, ops, slices and the log2 latency buckets (the first
+/// four, up to 8 µs, share the line). The batch count is the sum of the buckets, so it costs no
+/// atomic of its own; per-transport totals and histograms are sums over peers at export.
+#[repr(align(64))]
+#[derive(Default)]
+struct Cell {
     sum_ns: AtomicU64,
+    bytes: AtomicU64,
+    ops: AtomicU64,
+    slices: AtomicU64,
+    buckets: [AtomicU64; BUCKETS],
 }
 
-impl Default for Histogram {
+impl Cell {
+    fn record(&self, d: Duration, stats: &crate::batch::BatchStats) {
+        self.buckets[bucket_of(d)].fetch_add(1, Ordering::Relaxed);
+        self.sum_ns
+            .fetch_add(d.as_nanos().min(u64::MAX as u128) as u64, Ordering::Relaxed);
+        self.bytes.fetch_add(stats.bytes, Ordering::Relaxed);
+        self.ops.fetch_add(stats.ops as u64, Ordering::Relaxed);
+        self.slices
+            .fetch_add(stats.slices as u64, Ordering::Relaxed);
+    }
+}
+
+/// Plain copy of a [`Cell`] (or a sum of them).
+#[derive(Clone, Copy)]
+struct CellSum {
+    sum_ns: u64,
+    bytes: u64,
+    ops: u64,
+    slices: u64,
+    buckets: [u64; BUCKETS],
+}
+
+impl Default for CellSum {
     fn default() -> Self {
-        Histogram {
-            buckets: std::array::from_fn(|_| AtomicU64::new(0)),
-            sum_ns: AtomicU64::new(0),
+        CellSum {
+            sum_ns: 0,
+            bytes: 0,
+            ops: 0,
+            slices: 0,
+            buckets: [0; BUCKETS],
         }
     }
 }
 
-impl Histogram {
-    fn record(&self, d: Duration) {
-        self.buckets[bucket_of(d)].fetch_add(1, Ordering::Relaxed);
-        self.sum_ns
-            .fetch_add(d.as_nanos().min(u64::MAX as u128) as u64, Ordering::Relaxed);
+impl CellSum {
+    fn add(&mut self, c: &Cell) {
+        let ld = |a: &AtomicU64| a.load(Ordering::Relaxed);
+        self.sum_ns += ld(&c.sum_ns);
+        self.bytes += ld(&c.bytes);
+        self.ops += ld(&c.ops);
+        self.slices += ld(&c.slices);
+        for (s, b) in self.buckets.iter_mut().zip(c.buckets.iter()) {
+            *s += ld(b);
+        }
     }
+    fn merge(&mut self, o: &CellSum) {
+        self.sum_ns += o.sum_ns;
+        self.bytes += o.bytes;
+        self.ops += o.ops;
+        self.slices += o.slices;
+        for (s, b) in self.buckets.iter_mut().zip(o.buckets.iter()) {
+            *s += *b;
+        }
+    }
+    fn count(&self) -> u64 {
+        self.buckets.iter().sum()
+    }
+}
 
-    fn snapshot(&self, transport: TransportKind, class: usize) -> HistogramSnapshot {
+/// Counters of one peer (owned by the peer; the engine's per-transport totals and latency
+/// histograms are their sums).
+#[derive(Default)]
+pub(crate) struct PeerCounters {
+    /// Completed batches, [write, read] x size class.
+    cells: [[Cell; 5]; 2],
+    failed_batches: AtomicU64,
+}
+
+/// Plain sums of [`PeerCounters`] (per transport).
+#[derive(Clone, Copy, Default)]
+struct Totals {
+    cells: [[CellSum; 5]; 2],
+    failed_batches: u64,
+}
+
+impl Totals {
+    fn add(&mut self, c: &PeerCounters) {
+        for (d, row) in c.cells.iter().enumerate() {
+            for (k, cell) in row.iter().enumerate() {
+                self.cells[d][k].add(cell);
+            }
+        }
+        self.failed_batches += c.failed_batches.load(Ordering::Relaxed);
+    }
+    fn merge(&mut self, o: &Totals) {
+        for d in 0..2 {
+            for k in 0..SIZE_CLASSES.len() {
+                self.cells[d][k].merge(&o.cells[d][k]);
+            }
+        }
+        self.failed_batches += o.failed_batches;
+    }
+    /// Sum over size classes of one direction.
+    fn dir(&self, d: usize) -> CellSum {
+        let mut s = CellSum::default();
+        for c in &self.cells[d] {
+            s.merge(c);
+        }
+        s
+    }
+    /// Latency histogram of one size class (both directions).
+    fn histogram(&self, transport: TransportKind, class: usize) -> HistogramSnapshot {
+        let mut s = self.cells[0][class];
+        s.merge(&self.cells[1][class]);
         let mut cum = 0u64;
-        let buckets: Vec<(f64, u64)> = self
+        let buckets: Vec<(f64, u64)> = s
             .buckets
             .iter()
             .enumerate()
             .map(|(i, b)| {
-                cum += b.load(Ordering::Relaxed);
+                cum += *b;
                 (bucket_le_seconds(i), cum)
             })
             .collect();
@@ -156,44 +254,9 @@ impl Histogram {
             transport,
             size_class: SIZE_CLASSES[class],
             buckets,
-            sum_seconds: self.sum_ns.load(Ordering::Relaxed) as f64 * 1e-9,
+            sum_seconds: s.sum_ns as f64 * 1e-9,
             count: cum,
         }
-    }
-}
-
-/// Counters of one peer (owned by the peer; the engine's per-transport totals are their sums).
-#[derive(Default)]
-pub(crate) struct PeerCounters {
-    /// Bytes of completed batches, [write, read].
-    bytes: [AtomicU64; 2],
-    /// Completed batches, [write, read].
-    batches: [AtomicU64; 2],
-    ops: AtomicU64,
-    slices: AtomicU64,
-    failed_batches: AtomicU64,
-}
-
-/// Plain sums of [`PeerCounters`] (per transport).
-#[derive(Clone, Copy, Default)]
-struct Totals {
-    bytes: [u64; 2],
-    batches: [u64; 2],
-    ops: u64,
-    slices: u64,
-    failed_batches: u64,
-}
-
-impl Totals {
-    fn add(&mut self, c: &PeerCounters) {
-        let ld = |a: &AtomicU64| a.load(Ordering::Relaxed);
-        for d in 0..2 {
-            self.bytes[d] += ld(&c.bytes[d]);
-            self.batches[d] += ld(&c.batches[d]);
-        }
-        self.ops += ld(&c.ops);
-        self.slices += ld(&c.slices);
-        self.failed_batches += ld(&c.failed_batches);
     }
 }
 
@@ -223,7 +286,6 @@ impl PeerBook {
 /// Engine-wide metrics.
 pub(crate) struct EngineMetrics {
     book: parking_lot::Mutex<PeerBook>,
-    latency: [[Histogram; 5]; 3],
     errors: [[AtomicU64; ERROR_KINDS.len()]; ERROR_STAGES.len()],
     pub(crate) registrations: AtomicU64,
     pub(crate) registered_bytes: AtomicU64,
@@ -242,7 +304,6 @@ impl Default for EngineMetrics {
     fn default() -> Self {
         EngineMetrics {
             book: Default::default(),
-            latency: Default::default(),
             errors: std::array::from_fn(|_| std::array::from_fn(|_| AtomicU64::new(0))),
             registrations: AtomicU64::new(0),
             registered_bytes: AtomicU64::new(0),
@@ -278,7 +339,10 @@ impl EngineMetrics {
     fn totals(&self) -> [Totals; 3] {
         let mut b = self.book.lock();
         b.fold();
-        let mut t = b.gone;
+        let mut t = [Totals::default(); 3];
+        for (ti, g) in b.gone.iter().enumerate() {
+            t[ti].merge(g);
+        }
         for (ti, c) in b.live.iter() {
             t[*ti].add(c);
         }
@@ -304,14 +368,7 @@ impl PeerObs {
         let e = &self.engine;
         let c = &self.peer;
         match r {
-            Ok(_) => {
-                let dir = usize::from(read);
-                c.bytes[dir].fetch_add(stats.bytes, Ordering::Relaxed);
-                c.batches[dir].fetch_add(1, Ordering::Relaxed);
-                c.ops.fetch_add(stats.ops as u64, Ordering::Relaxed);
-                c.slices.fetch_add(stats.slices as u64, Ordering::Relaxed);
-                e.latency[transport_index(stats.transport)][size_class(stats.bytes)].record(d);
-            }
+            Ok(_) => c.cells[usize::from(read)][size_class(stats.bytes)].record(d, stats),
             Err(err) => {
                 c.failed_batches.fetch_add(1, Ordering::Relaxed);
                 e.error(STAGE_BATCH, err);
@@ -765,21 +822,24 @@ impl EngineMetrics {
         let transports = TRANSPORTS
             .iter()
             .zip(totals.iter())
-            .map(|(k, t)| TransportSnapshot {
-                transport: *k,
-                write_bytes: t.bytes[0],
-                read_bytes: t.bytes[1],
-                write_batches: t.batches[0],
-                read_batches: t.batches[1],
-                ops: t.ops,
-                slices: t.slices,
-                failed_batches: t.failed_batches,
+            .map(|(k, t)| {
+                let (w, r) = (t.dir(0), t.dir(1));
+                TransportSnapshot {
+                    transport: *k,
+                    write_bytes: w.bytes,
+                    read_bytes: r.bytes,
+                    write_batches: w.count(),
+                    read_batches: r.count(),
+                    ops: w.ops + r.ops,
+                    slices: w.slices + r.slices,
+                    failed_batches: t.failed_batches,
+                }
             })
             .collect();
         let mut latency = Vec::with_capacity(15);
         for (ti, k) in TRANSPORTS.iter().enumerate() {
             for c in 0..SIZE_CLASSES.len() {
-                latency.push(self.latency[ti][c].snapshot(*k, c));
+                latency.push(totals[ti].histogram(*k, c));
             }
         }
         let mut errors = Vec::with_capacity(ERROR_STAGES.len() * ERROR_KINDS.len());
@@ -831,15 +891,16 @@ pub(crate) fn peer_snapshot(
     if let Some(c) = c {
         t.add(c);
     }
+    let (w, r) = (t.dir(0), t.dir(1));
     PeerSnapshot {
         id,
         remote_addr,
         transport,
-        write_bytes: t.bytes[0],
-        read_bytes: t.bytes[1],
-        batches: t.batches[0] + t.batches[1],
+        write_bytes: w.bytes,
+        read_bytes: r.bytes,
+        batches: w.count() + r.count(),
         failed_batches: t.failed_batches,
-        ops: t.ops,
+        ops: w.ops + r.ops,
         lanes_reestablished,
         reposts,
     }

@@ -102,6 +102,11 @@ pub(crate) trait PeerTransport: Send + Sync {
     fn lane_counters(&self) -> Vec<u64> {
         Vec::new()
     }
+    /// Work requests posted so far per local device (RDMA: `(device name, count)` for every
+    /// device of the engine); empty for other transports.
+    fn device_counters(&self) -> Vec<(String, u64)> {
+        Vec::new()
+    }
     /// Work requests re-posted on another lane after a lane failed (RDMA).
     fn reposts(&self) -> u64 {
         0

@@ -9,18 +9,29 @@
 //! offered regions are announced; a stale announcement cannot redirect a write into another file
 //! because the inode is verified after opening.
 //!
-//! Notifications go over the control connection after the copy, so they arrive after the data.
-//! Copies of up to [`INLINE_MAX`] bytes run on the submitting thread (the batch is complete when
-//! `write` returns); larger ones on the engine's copy thread.
+//! Notifications go over the control connection after the copy, so they arrive after the data;
+//! a fence follows each, and the batch completes only once the target answered it, i.e. once
+//! the notification is queued there (the same guarantee as TCP, whose target acknowledges the
+//! notification frame after queuing it).
+//!
+//! Copies of up to [`INLINE_MAX`] bytes run on the submitting thread; larger ones on the
+//! engine's copy thread. A batch goes to the copy thread as well while an earlier batch to the
+//! same peer is queued or running there, so batches submitted one after the other to a peer are
+//! copied, and their notifications sent, in submission order.
+//!
+//! Copies into caller memory of the target (`process_vm_writev`) are counted per region: when
+//! the target withdraws such a region, its later copies fail with `Error::StaleRegion` and the
+//! withdrawal is confirmed to the target (by the engine's fence after `RegionsRemoved`) only
+//! once no copy into it is running.
 
-use std::collections::HashMap;
+use std::collections::{HashMap, HashSet, VecDeque};
 use std::os::fd::AsFd;
 use std::os::unix::fs::MetadataExt;
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::Arc;
 
 use crossbeam_channel::Sender;
-use parking_lot::Mutex;
+use parking_lot::{Condvar, Mutex};
 
 use super::{Dir, PeerTransport, Posted, Xfer};
 use crate::batch::{BatchState, BatchStats, Pending};
@@ -29,7 +40,7 @@ use crate::engine::CtrlWriter;
 use crate::error::Error;
 use crate::mem::{cma_copy, RegionMem};
 use crate::region::RegionId;
-use crate::wire::{CtrlMsg, WireRegion};
+use crate::wire::WireRegion;
 
 /// Batches up to this many bytes are copied by the submitting thread.
 pub(crate) const INLINE_MAX: u64 = 1 << 20;
@@ -37,11 +48,27 @@ pub(crate) const INLINE_MAX: u64 = 1 << 20;
 /// A job for the engine's copy thread.
 pub(crate) type CopyJob = Box<dyn FnOnce() + Send>;
 
+/// Withdrawn regions remembered (to refuse copies validated before the withdrawal arrived).
+const MAX_REVOKED: usize = 1 << 16;
+
+#[derive(Default)]
+struct Guard {
+    /// Regions the target withdrew (bounded, oldest forgotten first).
+    revoked: HashSet<RegionId>,
+    order: VecDeque<RegionId>,
+    /// Copies into target memory running now, per region.
+    busy: HashMap<RegionId, u32>,
+}
+
 struct Shared {
     pid: i32,
     maps: Mutex<HashMap<RegionId, Option<Arc<RegionMem>>>>,
     ctrl: Arc<CtrlWriter>,
     closed: AtomicBool,
+    guard: Mutex<Guard>,
+    guard_cv: Condvar,
+    /// Batches to this peer queued on or running in the copy thread.
+    queued: AtomicUsize,
 }
 
 /// Per-peer shm state.
@@ -58,6 +85,9 @@ impl ShmPeer {
                 maps: Mutex::new(HashMap::new()),
                 ctrl,
                 closed: AtomicBool::new(false),
+                guard: Mutex::new(Guard::default()),
+                guard_cv: Condvar::new(),
+                queued: AtomicUsize::new(0),
             }),
             worker,
         }
@@ -73,6 +103,9 @@ impl Shared {
         let mut m = self.maps.lock();
         if let Some(v) = m.get(&r.id) {
             return v.clone();
+        }
+        if self.guard.lock().revoked.contains(&r.id) {
+            return None; // withdrawn: the guarded path below refuses it
         }
         let mapped = self.open_map(r);
         if let Err(e) = &mapped {
@@ -121,6 +154,7 @@ impl Shared {
                 )?,
             },
             None => {
+                let _busy = self.enter(x.remote.id)?;
                 let addr = x
                     .remote
                     .addr
@@ -146,6 +180,34 @@ impl Shared {
         Ok(())
     }
 
+    /// Marks a copy into target region `id` as running (refused once it is withdrawn).
+    fn enter(&self, id: RegionId) -> Result<Busy<'_>, Error> {
+        let mut g = self.guard.lock();
+        if g.revoked.contains(&id) {
+            return Err(Error::StaleRegion(id));
+        }
+        *g.busy.entry(id).or_insert(0) += 1;
+        Ok(Busy { sh: self, id })
+    }
+
+    /// The target withdrew these regions: refuse new copies, wait for running ones.
+    fn revoke(&self, ids: &[RegionId]) {
+        let mut g = self.guard.lock();
+        for id in ids {
+            if g.revoked.insert(*id) {
+                g.order.push_back(*id);
+            }
+        }
+        while g.order.len() > MAX_REVOKED {
+            if let Some(old) = g.order.pop_front() {
+                g.revoked.remove(&old);
+            }
+        }
+        while ids.iter().any(|id| g.busy.contains_key(id)) {
+            self.guard_cv.wait(&mut g);
+        }
+    }
+
     fn run(&self, st: &BatchState, dir: Dir, xfers: &[Xfer], notify: Option<Vec<u8>>) {
         if self.closed.load(Ordering::Acquire) {
             st.fail(Error::PeerDead("peer closed".into()));
@@ -160,13 +222,34 @@ impl Shared {
                 return;
             }
         }
-        if let Some(tag) = notify {
-            if let Err(e) = self.ctrl.send(&CtrlMsg::Notify(tag)) {
-                st.fail(Error::PeerDead(format!("sending notification: {e}")));
-                return;
+        match notify {
+            // The batch's last part completes when the target confirms the notification.
+            Some(tag) => {
+                if let Err(e) = self.ctrl.send_notify(st.id, tag) {
+                    st.fail(Error::PeerDead(format!("sending notification: {e}")));
+                }
+            }
+            None => st.part_done(),
+        }
+    }
+}
+
+/// A running copy into target memory (see [`Shared::enter`]).
+struct Busy<'a> {
+    sh: &'a Shared,
+    id: RegionId,
+}
+
+impl Drop for Busy<'_> {
+    fn drop(&mut self) {
+        let mut g = self.sh.guard.lock();
+        if let Some(n) = g.busy.get_mut(&self.id) {
+            *n -= 1;
+            if *n == 0 {
+                g.busy.remove(&self.id);
+                self.sh.guard_cv.notify_all();
             }
         }
-        st.part_done();
     }
 }
 
@@ -185,23 +268,35 @@ impl PeerTransport for ShmPeer {
         };
         let st = BatchState::new(b.id, 1, stats, b.deadline, Vec::new(), &b.timer).posted_as(&b);
         pending.insert(&st)?;
-        if b.bytes <= INLINE_MAX {
+        // Inline only when no earlier batch to this peer is still with the copy thread (keeps
+        // submission order).
+        if b.bytes <= INLINE_MAX && self.sh.queued.load(Ordering::Acquire) == 0 {
             self.sh.run(&st, b.dir, &b.xfers, b.notify);
         } else {
             let (sh, st2) = (self.sh.clone(), st.clone());
             let (dir, xfers, notify) = (b.dir, b.xfers, b.notify);
-            self.worker
-                .send(Box::new(move || sh.run(&st2, dir, &xfers, notify)))
-                .map_err(|_| Error::Shutdown)?;
+            self.sh.queued.fetch_add(1, Ordering::AcqRel);
+            let job: CopyJob = Box::new(move || {
+                sh.run(&st2, dir, &xfers, notify);
+                sh.queued.fetch_sub(1, Ordering::AcqRel);
+            });
+            if self.worker.send(job).is_err() {
+                self.sh.queued.fetch_sub(1, Ordering::AcqRel);
+                st.fail(Error::Shutdown);
+                return Err(Error::Shutdown);
+            }
         }
         Ok(st)
     }
 
     fn regions_removed(&self, ids: &[RegionId]) {
-        let mut m = self.sh.maps.lock();
-        for id in ids {
-            m.remove(id);
+        {
+            let mut m = self.sh.maps.lock();
+            for id in ids {
+                m.remove(id);
+            }
         }
+        self.sh.revoke(ids);
     }
 
     fn close(&self) {

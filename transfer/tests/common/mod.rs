@@ -71,6 +71,8 @@ fn run_child() -> Result<(), Box<dyn std::error::Error>> {
     let e = Engine::new(cfg)?;
     // Regions: "len:access[:raw],..." allocated in order (indices 0..n on a fresh engine).
     let mut regions: Vec<RegionHandle> = Vec::new();
+    // Caller memory of raw regions (address, length), by region index.
+    let mut raws: Vec<Option<(usize, usize)>> = Vec::new();
     let spec = std::env::var("KVWIRE_CHILD_REGIONS").unwrap_or_else(|_| "4194304:rw".into());
     for r in spec.split(',') {
         let f: Vec<&str> = r.split(':').collect();
@@ -78,9 +80,12 @@ fn run_child() -> Result<(), Box<dyn std::error::Error>> {
         let access = parse_access(f.get(1).copied().unwrap_or("rw"));
         let h = if f.get(2) == Some(&"raw") {
             let mem: &'static mut [u8] = Box::leak(vec![0u8; len].into_boxed_slice());
-            // SAFETY: leaked memory lives for the rest of the process; never referenced again.
+            raws.push(Some((mem.as_mut_ptr() as usize, len)));
+            // SAFETY: leaked memory lives for the rest of the process; never referenced again
+            // (except through `raw_slice` once the region is unregistered).
             unsafe { e.register_raw(mem.as_mut_ptr(), len, access)? }
         } else {
+            raws.push(None);
             e.alloc_region(len, access)?
         };
         regions.push(h);
@@ -89,6 +94,7 @@ fn run_child() -> Result<(), Box<dyn std::error::Error>> {
     std::io::stdout().flush()?;
     let notes = e.notifications();
     let mut watcher: Option<std::thread::JoinHandle<(u64, u64)>> = None;
+    let mut journal: Option<std::thread::JoinHandle<String>> = None;
     for line in std::io::stdin().lock().lines() {
         let line = line?;
         let w: Vec<&str> = line.split_whitespace().collect();
@@ -181,6 +187,75 @@ fn run_child() -> Result<(), Box<dyn std::error::Error>> {
                 }));
                 "OK".to_string()
             }
+            Some("journal") => {
+                // Like "watch", and keeps every tag in arrival order (for "journal_result").
+                let (n, timeout_ms) = (num(1), num(2));
+                let (e2, notes2, regions2) = (e.clone(), notes.clone(), regions.clone());
+                journal = Some(std::thread::spawn(move || {
+                    let (mut ok, mut bad) = (0u64, 0u64);
+                    let mut tags = Vec::new();
+                    for _ in 0..n {
+                        let Ok(note) = notes2.recv_timeout(Duration::from_millis(timeout_ms))
+                        else {
+                            break;
+                        };
+                        let tag = String::from_utf8_lossy(&note.tag).to_string();
+                        let t: Vec<u64> = tag
+                            .split_whitespace()
+                            .filter_map(|x| x.parse().ok())
+                            .collect();
+                        let good = t.len() >= 4
+                            && (t[2] == 0 || {
+                                let mut buf = vec![0u8; t[2] as usize];
+                                e2.local_read(regions2[t[0] as usize], t[1], &mut buf)
+                                    .is_ok()
+                                    && mismatch(t[3], t[1], &buf).is_none()
+                            });
+                        if good {
+                            ok += 1;
+                        } else {
+                            bad += 1;
+                        }
+                        tags.push(tag);
+                    }
+                    // Anything beyond the n expected is a duplicate or a stray.
+                    let extra =
+                        std::iter::from_fn(|| notes2.recv_timeout(Duration::from_millis(200)).ok())
+                            .take(1000)
+                            .count();
+                    format!("JOURNAL {ok} {bad} {extra}|{}", tags.join("|"))
+                }));
+                "OK".to_string()
+            }
+            Some("journal_result") => match journal.take().map(|h| h.join()) {
+                Some(Ok(s)) => s,
+                _ => "NO JOURNAL".to_string(),
+            },
+            Some("unregister_guard") => {
+                // Unregisters raw region r, then at once overwrites its memory with the guard
+                // pattern `seed` (no peer may write into it any more).
+                let (r, seed) = (num(1) as usize, num(2));
+                let raw = raws.get(r).copied().flatten();
+                let guard = pattern(seed, 0, raw.map_or(0, |(_, len)| len));
+                match (e.unregister(regions[r]), raw) {
+                    (Ok(()), Some((addr, len))) => {
+                        raw_slice(addr, len).copy_from_slice(&guard);
+                        "OK".to_string()
+                    }
+                    (Ok(()), None) => "NOT RAW".to_string(),
+                    (Err(err), _) => format!("ERR {err}"),
+                }
+            }
+            Some("check_guard") => {
+                let (r, seed) = (num(1) as usize, num(2));
+                match raws.get(r).copied().flatten() {
+                    Some((addr, len)) => match mismatch(seed, 0, raw_slice(addr, len)) {
+                        None => "OK".to_string(),
+                        Some(i) => format!("BAD at {i}"),
+                    },
+                    None => "NOT RAW".to_string(),
+                }
+            }
             Some("watch_result") => match watcher.take().map(|h| h.join()) {
                 Some(Ok((ok, bad))) => format!("NOTIFIED {ok} {bad}"),
                 _ => "NO WATCHER".to_string(),
@@ -202,6 +277,14 @@ fn run_child() -> Result<(), Box<dyn std::error::Error>> {
         std::io::stdout().flush()?;
     }
     Ok(())
+}
+
+/// The leaked memory of a raw region, for use only once the region is unregistered.
+fn raw_slice(addr: usize, len: usize) -> &'static mut [u8] {
+    // SAFETY: `addr..addr+len` is a leaked allocation of the child (see `run_child`), alive for
+    // the rest of the process; callers use it only after `unregister` returned Ok, after which
+    // the engine promises no peer writes into it, and one command at a time (no other reference).
+    unsafe { std::slice::from_raw_parts_mut(addr as *mut u8, len) }
 }
 
 /// A target engine in a child process.
