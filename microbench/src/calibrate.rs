@@ -9,7 +9,12 @@
 //! `decode_sent`, `dst_waiting` and `dst_running`, is optional: the connector's timeline does
 //! not carry it (the host knows its scheduler's queues, the core does not), so a record without
 //! it counts as an idle destination and the load terms are only fitted where the records carry
-//! varying load (see [`Calibration::notes`]).
+//! varying load (see [`Calibration::notes`]). The same holds for the source side: what a router
+//! knows of the prefill engine at `decode_sent` (`prefill_tokens`, the request's own tokens P
+//! still computes — or `tokens − cached_tokens` when only those are given —, `src_waiting`,
+//! `src_queued_tokens`, `src_running_tokens`, `src_pending_bytes`, see [`crate::costmodel::Inputs`]); absent fields
+//! count as 0. `send_mode`, `policy` and `scenario` are read when present, to report the
+//! held-out error per group ([`Calibration::groups`]).
 //!
 //! Lines that are not JSON, or whose fields have the wrong type, or that lack `bytes`/`layers`,
 //! or whose clock runs backwards, are malformed: [`BadLines::Fail`] stops at the first with its
@@ -39,7 +44,13 @@
 //!    connector simulator's timelines: such a p90 fit covered 62% of held-out clocks).
 //! 4. **Error**: on the held-out part, the median and 90th percentile of
 //!    `|pred_p50 − actual| / actual`, with the seed model `0.3 s + bytes / 2.7e9` measured on the
-//!    same records, and the fraction of held-out clocks at or below the p90 prediction.
+//!    same records, and the fraction of held-out clocks at or below the p90 prediction; per
+//!    scenario, send mode and policy when the records carry several ([`Calibration::groups`]).
+//! 5. **Per send mode**: when the records mix send modes and none was chosen
+//!    ([`CalibrateOptions::send_mode`], `--send-mode`), a model is also fitted on each mode's
+//!    records alone and measured on that mode's held-out part ([`Calibration::per_send_mode`]):
+//!    a deployment runs one mode, and whole and layerwise sends expose the transfer so
+//!    differently that one linear model for both carries the difference as error.
 //!
 //! A term whose feature is constant over the training part (every record with the same layer
 //! count, no load fields) cannot be told apart from `fixed_s`: it is set to zero and a note says
@@ -53,8 +64,8 @@ use std::process::ExitCode;
 use serde::Deserialize;
 
 use crate::costmodel::{
-    seed_predict, CostModel, CostModelError, ErrorBlock, FittedOn, Quantile, Quantiles, Terms,
-    MAX_BYTES_PER_S, SCHEMA,
+    seed_predict, CostModel, CostModelError, ErrorBlock, FittedOn, Inputs, Quantile, Quantiles,
+    Terms, MAX_BYTES_PER_S, SCHEMA,
 };
 
 /// Percent of request-id hashes that go to the training part.
@@ -149,6 +160,25 @@ pub struct Sample {
     pub dst_running: u32,
     /// Whether the record carried `dst_waiting`/`dst_running`.
     pub has_load: bool,
+    /// Tokens P still prefills after `decode_sent` (0 when the record did not say).
+    pub prefill_tokens: u64,
+    /// Requests queued on P ahead of this one (0 when the record did not say).
+    pub src_waiting: u32,
+    /// Their uncached tokens (0 when the record did not say).
+    pub src_queued_tokens: u64,
+    /// Uncached tokens of P's step in progress not computed yet (0 when the record did not
+    /// say).
+    pub src_running_tokens: u64,
+    /// KV bytes P sends before this request's (0 when the record did not say).
+    pub src_pending_bytes: u64,
+    /// Whether the record carried any source-side field.
+    pub has_src: bool,
+    /// P's send mode, when the record says (`whole`, `layerwise`).
+    pub send_mode: Option<String>,
+    /// D's policy, when the record says.
+    pub policy: Option<String>,
+    /// The scenario (`pd`, `migration`), when the record says.
+    pub scenario: Option<String>,
     /// Transport label.
     pub transport: String,
     /// The clock cut into [`SEGMENTS`] (seconds), when the record carries the milestones.
@@ -233,6 +263,16 @@ struct RawRecord {
     layers: Option<u32>,
     dst_waiting: Option<u32>,
     dst_running: Option<u32>,
+    tokens: Option<u64>,
+    cached_tokens: Option<u64>,
+    prefill_tokens: Option<u64>,
+    src_waiting: Option<u32>,
+    src_queued_tokens: Option<u64>,
+    src_running_tokens: Option<u64>,
+    src_pending_bytes: Option<u64>,
+    send_mode: Option<String>,
+    policy: Option<String>,
+    scenario: Option<String>,
     transport: Option<String>,
     outcome: Option<String>,
     p_last_layer_ready: Option<u64>,
@@ -243,7 +283,7 @@ struct RawRecord {
 }
 
 enum Parsed {
-    Use(Sample),
+    Use(Box<Sample>),
     Failed,
     Incomplete,
     Zero,
@@ -272,8 +312,26 @@ fn parse_line(text: &str, line: usize) -> Result<Parsed, LineError> {
     if end == start {
         return Ok(Parsed::Zero);
     }
-    Ok(Parsed::Use(Sample {
+    let prefill_tokens = r.prefill_tokens.or_else(|| {
+        r.cached_tokens
+            .map(|c| r.tokens.unwrap_or(0).saturating_sub(c))
+    });
+    let has_src = prefill_tokens.is_some()
+        || r.src_waiting.is_some()
+        || r.src_queued_tokens.is_some()
+        || r.src_running_tokens.is_some()
+        || r.src_pending_bytes.is_some();
+    Ok(Parsed::Use(Box::new(Sample {
         id,
+        prefill_tokens: prefill_tokens.unwrap_or(0),
+        src_waiting: r.src_waiting.unwrap_or(0),
+        src_queued_tokens: r.src_queued_tokens.unwrap_or(0),
+        src_running_tokens: r.src_running_tokens.unwrap_or(0),
+        src_pending_bytes: r.src_pending_bytes.unwrap_or(0),
+        has_src,
+        send_mode: r.send_mode.take(),
+        policy: r.policy.take(),
+        scenario: r.scenario.take(),
         seconds: (end - start) as f64 * 1e-9,
         bytes,
         layers,
@@ -283,7 +341,7 @@ fn parse_line(text: &str, line: usize) -> Result<Parsed, LineError> {
         segments: segments_of(&r, start, end),
         transport: r.transport.unwrap_or_default(),
         line,
-    }))
+    })))
 }
 
 /// Parses timeline JSON lines from `reader` (blank lines are ignored).
@@ -310,7 +368,7 @@ fn parse_timeline_named<R: BufRead>(
         match parse_line(&text, n) {
             Ok(Parsed::Use(s)) => {
                 if seen.insert((s.id.clone(), s.seconds.to_bits())) {
-                    t.samples.push(s);
+                    t.samples.push(*s);
                 } else {
                     t.skipped_duplicate += 1;
                 }
@@ -357,7 +415,58 @@ pub fn split(samples: &[Sample]) -> (Vec<Sample>, Vec<Sample>) {
     samples.iter().cloned().partition(|s| is_train(&s.id))
 }
 
-const NF: usize = 5;
+impl Sample {
+    /// The model's inputs of this record.
+    pub fn inputs(&self) -> Inputs {
+        Inputs {
+            bytes: self.bytes,
+            layers: self.layers,
+            dst_waiting: self.dst_waiting,
+            dst_running: self.dst_running,
+            prefill_tokens: self.prefill_tokens,
+            src_waiting: self.src_waiting,
+            src_queued_tokens: self.src_queued_tokens,
+            src_running_tokens: self.src_running_tokens,
+            src_pending_bytes: self.src_pending_bytes,
+        }
+    }
+}
+
+const NF: usize = 10;
+
+/// Index of the first source-side feature.
+const FIRST_SRC: usize = 5;
+
+/// Start of the note given when no record carries a source-side field.
+pub const NO_SOURCE_NOTE: &str = "no record carries prefill_tokens or src_* fields";
+
+/// Names of the fitted terms in feature order.
+const NAMES: [&str; NF] = [
+    "fixed_s",
+    "bytes_per_s",
+    "per_layer_tail_s",
+    "d_step_s",
+    "d_queue_s_per_waiting",
+    "prefill_s_per_token",
+    "src_s_per_queued_token",
+    "src_s_per_running_token",
+    "src_s_per_waiting",
+    "src_s_per_pending_byte",
+];
+
+/// The input each term multiplies, in feature order.
+const WHAT: [&str; NF] = [
+    "",
+    "bytes",
+    "layers",
+    "dst_running",
+    "dst_waiting",
+    "prefill_tokens",
+    "src_queued_tokens",
+    "src_running_tokens",
+    "src_waiting",
+    "src_pending_bytes",
+];
 
 fn features(s: &Sample) -> [f64; NF] {
     [
@@ -366,6 +475,11 @@ fn features(s: &Sample) -> [f64; NF] {
         f64::from(s.layers),
         1.0 + f64::from(s.dst_running),
         f64::from(s.dst_waiting),
+        s.prefill_tokens as f64,
+        s.src_queued_tokens as f64,
+        s.src_running_tokens as f64,
+        f64::from(s.src_waiting),
+        s.src_pending_bytes as f64,
     ]
 }
 
@@ -588,13 +702,7 @@ impl Design {
     }
 
     fn terms(&self, x: &[f64; NF]) -> Terms {
-        let b = [
-            x[0] / self.col_scale[0],
-            x[1] / self.col_scale[1],
-            x[2] / self.col_scale[2],
-            x[3] / self.col_scale[3],
-            x[4] / self.col_scale[4],
-        ];
+        let b: [f64; NF] = std::array::from_fn(|j| x[j] / self.col_scale[j]);
         Terms {
             fixed_s: b[0],
             bytes_per_s: if b[1] > 1.0 / MAX_BYTES_PER_S {
@@ -605,6 +713,11 @@ impl Design {
             per_layer_tail_s: b[2],
             d_step_s: b[3],
             d_queue_s_per_waiting: b[4],
+            prefill_s_per_token: b[5],
+            src_s_per_queued_token: b[6],
+            src_s_per_running_token: b[7],
+            src_s_per_waiting: b[8],
+            src_s_per_pending_byte: b[9],
         }
     }
 }
@@ -673,6 +786,13 @@ pub struct Calibration {
     pub segments: Vec<SegmentStat>,
     /// Records the segment statistics cover.
     pub segment_records: usize,
+    /// Held-out error per scenario, send mode and policy (where the records carry more than
+    /// one value).
+    pub groups: Vec<GroupError>,
+    /// When the records mix send modes (and no mode was chosen): the calibration of each mode
+    /// on its own records. A deployment runs one send mode, so this is the error its own
+    /// model has.
+    pub per_send_mode: Vec<(String, Calibration)>,
 }
 
 /// One segment of the clock over many records.
@@ -720,6 +840,8 @@ pub fn segment_stats(samples: &[Sample]) -> (Vec<SegmentStat>, usize) {
 pub struct CalibrateOptions {
     /// Only records of this transport; `None`: all records must share one.
     pub transport: Option<String>,
+    /// Only records of this send mode (`whole`, `layerwise`); `None`: all.
+    pub send_mode: Option<String>,
     /// The `fitted_on.source` text.
     pub source: String,
 }
@@ -736,6 +858,13 @@ pub fn calibrate(
             .cloned()
             .collect(),
         None => samples.to_vec(),
+    };
+    let chosen: Vec<Sample> = match &opts.send_mode {
+        Some(m) => chosen
+            .into_iter()
+            .filter(|s| s.send_mode.as_ref() == Some(m))
+            .collect(),
+        None => chosen,
     };
     let mut transports: Vec<String> = chosen.iter().map(|s| s.transport.clone()).collect();
     transports.sort();
@@ -756,20 +885,14 @@ pub fn calibrate(
     }
     let design = Design::new(&train);
     let mut notes = Vec::new();
-    let names = [
-        "fixed_s",
-        "bytes_per_s",
-        "per_layer_tail_s",
-        "d_step_s",
-        "d_queue_s_per_waiting",
-    ];
-    let what = ["", "bytes", "layers", "dst_running", "dst_waiting"];
+    let any_src = chosen.iter().any(|s| s.has_src);
     for j in 1..NF {
-        if !design.allowed[j] {
+        // Without any source-side field one note below says so for all of them.
+        if !design.allowed[j] && (any_src || j < FIRST_SRC) {
             notes.push(format!(
                 "{} is the same in every training record: {} not identifiable, left at its \
                  neutral value (folded into fixed_s)",
-                what[j], names[j]
+                WHAT[j], NAMES[j]
             ));
         }
     }
@@ -782,23 +905,59 @@ pub fn calibrate(
             chosen.len()
         ));
     }
+    let without_src = chosen.iter().filter(|s| !s.has_src).count();
+    if !any_src {
+        notes.push(format!(
+            "{NO_SOURCE_NOTE}: prefill_s_per_token and the src_* terms are left at 0"
+        ));
+    } else if without_src > 0 {
+        notes.push(format!(
+            "{without_src} of {} records carry no prefill_tokens/src_* fields: counted as a \
+             source with nothing left to compute",
+            chosen.len()
+        ));
+    }
     let xm = design.mean_fit();
     let x50 = design.quantile_fit(0.5, xm);
     let x90 = design.quantile_fit(0.9, xm);
     let terms = design.terms(&xm);
     let p50t = design.terms(&x50);
     let p90t = design.terms(&x90);
-    let pred =
-        |t: Terms| move |s: &Sample| t.predict(s.bytes, s.layers, s.dst_waiting, s.dst_running);
+    let pred = |t: Terms| move |s: &Sample| t.predict_inputs(&s.inputs());
     let p50 = rel_error(&held, pred(p50t));
     let mean = rel_error(&held, pred(terms));
     let seed = rel_error(&held, |s| seed_predict(s.bytes));
     let p50_train = rel_error(&train, pred(p50t));
     let covered = held.iter().filter(|s| s.seconds <= pred(p90t)(s)).count();
     let p90_coverage = covered as f64 / held.len() as f64;
+    let mut groups = Vec::new();
+    type Key = fn(&Sample) -> Option<&String>;
+    let keys: [(&str, Key); 3] = [
+        ("scenario", |s| s.scenario.as_ref()),
+        ("send_mode", |s| s.send_mode.as_ref()),
+        ("policy", |s| s.policy.as_ref()),
+    ];
+    for (key, get) in keys {
+        let mut values: Vec<&String> = held.iter().filter_map(get).collect();
+        values.sort();
+        values.dedup();
+        if values.len() < 2 {
+            continue;
+        }
+        for v in values {
+            let part: Vec<Sample> = held.iter().filter(|s| get(s) == Some(v)).cloned().collect();
+            groups.push(GroupError {
+                group: format!("{key}={v}"),
+                held_out: part.len(),
+                p50: rel_error(&part, pred(p50t)),
+                seed: rel_error(&part, |s| seed_predict(s.bytes)),
+            });
+        }
+    }
     let model = CostModel {
         schema: SCHEMA.to_string(),
         transport,
+        send_mode: opts.send_mode.clone(),
         fitted_on: FittedOn {
             records: train.len() as u64,
             source: opts.source.clone(),
@@ -828,7 +987,48 @@ pub fn calibrate(
         notes,
         segments,
         segment_records,
+        groups,
+        per_send_mode: if opts.send_mode.is_none() {
+            per_send_mode(&chosen, opts)
+        } else {
+            Vec::new()
+        },
     })
+}
+
+/// When the records mix send modes: a model fitted on each mode's records alone (same split),
+/// with its held-out error. Modes with too few records are left out.
+fn per_send_mode(chosen: &[Sample], opts: &CalibrateOptions) -> Vec<(String, Calibration)> {
+    let mut modes: Vec<&String> = chosen.iter().filter_map(|s| s.send_mode.as_ref()).collect();
+    modes.sort();
+    modes.dedup();
+    if modes.len() < 2 {
+        return Vec::new();
+    }
+    modes
+        .into_iter()
+        .filter_map(|m| {
+            let o = CalibrateOptions {
+                send_mode: Some(m.clone()),
+                ..opts.clone()
+            };
+            calibrate(chosen, &o).ok().map(|c| (m.clone(), c))
+        })
+        .collect()
+}
+
+/// Held-out error of the p50 model on one group of records (one send mode, policy or
+/// scenario).
+#[derive(Clone, Debug, PartialEq)]
+pub struct GroupError {
+    /// `key=value`, e.g. `send_mode=layerwise`.
+    pub group: String,
+    /// Held-out records in the group.
+    pub held_out: usize,
+    /// Error of the calibrated p50 model.
+    pub p50: RelError,
+    /// Error of the seed model on the same records.
+    pub seed: RelError,
 }
 
 impl Calibration {
@@ -861,6 +1061,49 @@ impl Calibration {
             "calibrated p90: {:.1}% of held-out clocks at or below the prediction\n\n",
             100.0 * self.p90_coverage
         ));
+        if !self.groups.is_empty() {
+            s.push_str(&format!(
+                "{:<34} {:>8} {:>12} {:>12} {:>14} {:>14}\n",
+                "held-out error per group",
+                "records",
+                "p50 |rel|",
+                "p90 |rel|",
+                "seed p50",
+                "seed p90"
+            ));
+            for g in &self.groups {
+                s.push_str(&format!(
+                    "{:<34} {:>8} {:>12.4} {:>12.4} {:>14.4} {:>14.4}\n",
+                    g.group, g.held_out, g.p50.p50, g.p50.p90, g.seed.p50, g.seed.p90
+                ));
+            }
+            s.push('\n');
+        }
+        if !self.per_send_mode.is_empty() {
+            s.push_str(&format!(
+                "{:<34} {:>8} {:>12} {:>12} {:>14} {:>14} {:>9}\n",
+                "fitted per send mode (held-out)",
+                "records",
+                "p50 |rel|",
+                "p90 |rel|",
+                "seed p50",
+                "seed p90",
+                "p90 cov"
+            ));
+            for (m, c) in &self.per_send_mode {
+                s.push_str(&format!(
+                    "{:<34} {:>8} {:>12.4} {:>12.4} {:>14.4} {:>14.4} {:>8.1}%\n",
+                    format!("send_mode={m} (own model)"),
+                    c.held_out_ids.len(),
+                    c.p50.p50,
+                    c.p50.p90,
+                    c.seed.p50,
+                    c.seed.p90,
+                    100.0 * c.p90_coverage
+                ));
+            }
+            s.push('\n');
+        }
         s.push_str(&format!(
             "{:<6} {:>12} {:>14} {:>16} {:>12} {:>22}\n",
             "terms",
@@ -885,6 +1128,30 @@ impl Calibration {
                 t.d_queue_s_per_waiting
             ));
         }
+        s.push_str(&format!(
+            "{:<6} {:>19} {:>22} {:>23} {:>17} {:>22}\n",
+            "source",
+            "prefill_s_per_token",
+            "src_s_per_queued_token",
+            "src_s_per_running_token",
+            "src_s_per_waiting",
+            "src_s_per_pending_byte"
+        ));
+        for (n, t) in [
+            ("mean", &m.terms),
+            ("p50", &m.quantiles.p50),
+            ("p90", &m.quantiles.p90),
+        ] {
+            s.push_str(&format!(
+                "{:<6} {:>19.4e} {:>22.4e} {:>23.4e} {:>17.6} {:>22.4e}\n",
+                n,
+                t.prefill_s_per_token,
+                t.src_s_per_queued_token,
+                t.src_s_per_running_token,
+                t.src_s_per_waiting,
+                t.src_s_per_pending_byte
+            ));
+        }
         if !self.segments.is_empty() {
             s.push_str(&format!(
                 "\nwhere the clock went ({} records with milestones; seconds)\n{:<18} {:>10} {:>10} {:>14}\n",
@@ -907,8 +1174,10 @@ impl Calibration {
     }
 }
 
-/// The grid of inputs `--predict-grid` evaluates: (bytes, layers, dst_waiting, dst_running).
-pub fn grid_inputs() -> Vec<(u64, u32, u32, u32)> {
+/// The grid of inputs `--predict-grid` evaluates: every (bytes, layers, dst_waiting,
+/// dst_running) of a fixed grid, each with source-side inputs taken in turn from their own
+/// lists (the first case has them all 0).
+pub fn grid_inputs() -> Vec<Inputs> {
     let bytes = [
         0u64,
         1,
@@ -921,12 +1190,28 @@ pub fn grid_inputs() -> Vec<(u64, u32, u32, u32)> {
     let layers = [0u32, 1, 48, 80];
     let waiting = [0u32, 3, 1000];
     let running = [0u32, 7, 256];
+    let prefill = [0u64, 1, 3_000, 50_000, (1u64 << 40) + 3];
+    let src_waiting = [0u32, 2, 17, u32::MAX];
+    let src_queued = [0u64, 12_345, 1_000_000];
+    let src_running = [0u64, 16_384];
+    let src_pending = [0u64, 805_306_368, 7_000_000_000_000];
     let mut v = Vec::new();
     for &b in &bytes {
         for &l in &layers {
             for &w in &waiting {
                 for &r in &running {
-                    v.push((b, l, w, r));
+                    let i = v.len();
+                    v.push(Inputs {
+                        bytes: b,
+                        layers: l,
+                        dst_waiting: w,
+                        dst_running: r,
+                        prefill_tokens: prefill[i % prefill.len()],
+                        src_waiting: src_waiting[(i / 2) % src_waiting.len()],
+                        src_queued_tokens: src_queued[(i / 3) % src_queued.len()],
+                        src_running_tokens: src_running[(i / 5) % src_running.len()],
+                        src_pending_bytes: src_pending[(i / 7) % src_pending.len()],
+                    });
                 }
             }
         }
@@ -935,15 +1220,21 @@ pub fn grid_inputs() -> Vec<(u64, u32, u32, u32)> {
 }
 
 /// The model's predictions on [`grid_inputs`] for every quantile, as JSON:
-/// `{"model": {...}, "cases": [{"bytes", "layers", "dst_waiting", "dst_running", "quantile",
+/// `{"model": {...}, "cases": [{"bytes", "layers", "dst_waiting", "dst_running",
+/// "prefill_tokens", "src_waiting", "src_queued_tokens", "src_running_tokens",
+/// "src_pending_bytes", "quantile",
 /// "seconds"}]}`. Cross-language tests compare other implementations of the formula with it.
 pub fn predict_grid(model: &CostModel) -> serde_json::Value {
     let mut cases = Vec::new();
-    for (b, l, w, r) in grid_inputs() {
+    for x in grid_inputs() {
         for q in Quantile::ALL {
             cases.push(serde_json::json!({
-                "bytes": b, "layers": l, "dst_waiting": w, "dst_running": r,
-                "quantile": q.name(), "seconds": model.predict(b, l, w, r, q),
+                "bytes": x.bytes, "layers": x.layers, "dst_waiting": x.dst_waiting,
+                "dst_running": x.dst_running, "prefill_tokens": x.prefill_tokens,
+                "src_waiting": x.src_waiting, "src_queued_tokens": x.src_queued_tokens,
+                "src_running_tokens": x.src_running_tokens,
+                "src_pending_bytes": x.src_pending_bytes,
+                "quantile": q.name(), "seconds": model.predict_inputs(&x, q),
             }));
         }
     }
@@ -962,6 +1253,9 @@ pub struct CalibrateArgs {
     /// Only use records of this transport (needed when the file mixes transports).
     #[arg(long)]
     pub transport: Option<String>,
+    /// Only use records of this send mode (whole, layerwise); the model is for that mode.
+    #[arg(long)]
+    pub send_mode: Option<String>,
     /// Skip malformed lines (listed on stderr) instead of failing on the first one.
     #[arg(long)]
     pub skip_bad_lines: bool,
@@ -1037,6 +1331,7 @@ fn run_cli_inner(a: &CalibrateArgs) -> Result<(), String> {
     ));
     let opts = CalibrateOptions {
         transport: a.transport.clone(),
+        send_mode: a.send_mode.clone(),
         source: a
             .source
             .clone()

@@ -5,24 +5,43 @@
 //! # The formula
 //!
 //! For a request moving `bytes` of KV over `layers` layers to a decode engine that has
-//! `dst_waiting` requests waiting and `dst_running` requests running at `decode_sent`:
+//! `dst_waiting` requests waiting and `dst_running` requests running at `decode_sent`, whose
+//! prefill engine (the source) still has to compute `prefill_tokens` of its prompt, with
+//! `src_waiting` requests holding `src_queued_tokens` uncached tokens queued ahead of it, a
+//! step with `src_running_tokens` uncached tokens left to compute in progress, and
+//! `src_pending_bytes` of KV to send before this request's ([`Inputs`]):
 //!
 //! ```text
 //! t = fixed_s
 //!   + bytes / bytes_per_s
 //!   + layers · per_layer_tail_s
 //!   + d_step_s · (1 + dst_running)
-//!   + d_queue_s_per_waiting · dst_waiting          (seconds)
+//!   + d_queue_s_per_waiting · dst_waiting
+//!   + prefill_s_per_token · prefill_tokens
+//!   + src_s_per_queued_token · src_queued_tokens
+//!   + src_s_per_running_token · src_running_tokens
+//!   + src_s_per_waiting · src_waiting
+//!   + src_s_per_pending_byte · src_pending_bytes    (seconds)
 //! ```
 //!
 //! evaluated left to right in `f64` (the Python helper `kvwire.costs` does the same, in the
-//! same order, so both agree to rounding). Why this form — each term stands for segments of the
-//! clock's decomposition (`kvwire_connector::timeline::Decomposition`):
+//! same order, so both agree to rounding). The last five terms (the source side) are optional in
+//! the file and default to 0, so files written before them load and predict as before; a router
+//! that does not know the source side passes 0 for those inputs. Why this form — each term
+//! stands for segments of the clock's decomposition
+//! (`kvwire_connector::timeline::Decomposition`):
 //!
-//! * **wait for P, reservation wait**: the part that does not grow with size or load (control
-//!   messages, P admission, block ids reaching P) lands in `fixed_s`; the part that grows with the
-//!   prompt (prefill when it is on the clock; KV bytes are proportional to prompt tokens for one
-//!   model) lands in the bytes term.
+//! * **wait for P**: with the request sent to P and D together, the clock starts while P still
+//!   has to run the steps ahead of it (`src_*`: the queue ahead, FIFO, and the remainder of the
+//!   step in progress, about half of it on average) and its own prefill (`prefill_tokens`, the
+//!   prompt minus what P has cached: prefix reuse makes this much smaller than the bytes
+//!   moved). `src_s_per_waiting` is the per-step cost paid once per queued request. In a
+//!   migration (KV already on the source) the compute terms are 0.
+//! * **exposed transfer**, queueing part: the source's link sends the KV of the requests ahead
+//!   first (`src_pending_bytes`: what is not yet sent of the requests already prefilled, plus
+//!   the KV of those in the running step and queued ahead).
+//! * **reservation wait**: the part that does not grow with size or load (control messages, P
+//!   admission, block ids reaching P) lands in `fixed_s`.
 //! * **exposed transfer**: the bytes not hidden behind prefill. `bytes_per_s` is therefore the
 //!   *effective* rate of the whole request, not the link rate: with whole-request sends it is
 //!   close to the link's goodput; with layerwise sends only about one layer is exposed and the
@@ -91,8 +110,34 @@ pub enum CostModelError {
     },
 }
 
-/// The five fitted terms (see the module docs for the formula).
-#[derive(Clone, Copy, Debug, PartialEq, Serialize, Deserialize)]
+/// What a router knows about one request when it sends it to D (the model's inputs).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct Inputs {
+    /// KV bytes to move.
+    pub bytes: u64,
+    /// Layers.
+    pub layers: u32,
+    /// Requests waiting on D.
+    pub dst_waiting: u32,
+    /// Requests running on D.
+    pub dst_running: u32,
+    /// Tokens of this request P still has to prefill after `decode_sent` (prompt minus cached
+    /// tokens; 0 when the KV is already on the source).
+    pub prefill_tokens: u64,
+    /// Requests queued on P ahead of this one.
+    pub src_waiting: u32,
+    /// Uncached tokens of those requests.
+    pub src_queued_tokens: u64,
+    /// Uncached tokens of the step P is running not computed yet.
+    pub src_running_tokens: u64,
+    /// KV bytes P sends before this request's (not yet sent of prefilled requests, plus those
+    /// running and queued ahead).
+    pub src_pending_bytes: u64,
+}
+
+/// The fitted terms (see the module docs for the formula). The source-side terms
+/// (`prefill_s_per_token` and the `src_*` ones) default to 0 when a file lacks them.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Serialize, Deserialize)]
 pub struct Terms {
     /// Seconds every request pays.
     pub fixed_s: f64,
@@ -104,16 +149,48 @@ pub struct Terms {
     pub d_step_s: f64,
     /// Seconds per request already waiting on D.
     pub d_queue_s_per_waiting: f64,
+    /// Seconds per token of this request's own prefill.
+    #[serde(default)]
+    pub prefill_s_per_token: f64,
+    /// Seconds per uncached token queued on P ahead of this request.
+    #[serde(default)]
+    pub src_s_per_queued_token: f64,
+    /// Seconds per uncached token of the step P is running.
+    #[serde(default)]
+    pub src_s_per_running_token: f64,
+    /// Seconds per request queued on P ahead of this one.
+    #[serde(default)]
+    pub src_s_per_waiting: f64,
+    /// Seconds per KV byte P sends before this request's.
+    #[serde(default)]
+    pub src_s_per_pending_byte: f64,
 }
 
 impl Terms {
-    /// Predicted seconds of `decode_sent → first_token` (the module's formula).
+    /// Predicted seconds of `decode_sent → first_token` for a router that knows only the
+    /// destination side (the source-side inputs are 0).
     pub fn predict(&self, bytes: u64, layers: u32, dst_waiting: u32, dst_running: u32) -> f64 {
+        self.predict_inputs(&Inputs {
+            bytes,
+            layers,
+            dst_waiting,
+            dst_running,
+            ..Inputs::default()
+        })
+    }
+
+    /// Predicted seconds of `decode_sent → first_token` (the module's formula, in its order).
+    pub fn predict_inputs(&self, x: &Inputs) -> f64 {
         self.fixed_s
-            + bytes as f64 / self.bytes_per_s
-            + f64::from(layers) * self.per_layer_tail_s
-            + self.d_step_s * (1.0 + f64::from(dst_running))
-            + self.d_queue_s_per_waiting * f64::from(dst_waiting)
+            + x.bytes as f64 / self.bytes_per_s
+            + f64::from(x.layers) * self.per_layer_tail_s
+            + self.d_step_s * (1.0 + f64::from(x.dst_running))
+            + self.d_queue_s_per_waiting * f64::from(x.dst_waiting)
+            + self.prefill_s_per_token * x.prefill_tokens as f64
+            + self.src_s_per_queued_token * x.src_queued_tokens as f64
+            + self.src_s_per_running_token * x.src_running_tokens as f64
+            + self.src_s_per_waiting * f64::from(x.src_waiting)
+            + self.src_s_per_pending_byte * x.src_pending_bytes as f64
     }
 
     /// Checks every term is finite and non-negative, and `bytes_per_s` positive.
@@ -124,6 +201,11 @@ impl Terms {
             ("per_layer_tail_s", self.per_layer_tail_s),
             ("d_step_s", self.d_step_s),
             ("d_queue_s_per_waiting", self.d_queue_s_per_waiting),
+            ("prefill_s_per_token", self.prefill_s_per_token),
+            ("src_s_per_queued_token", self.src_s_per_queued_token),
+            ("src_s_per_running_token", self.src_s_per_running_token),
+            ("src_s_per_waiting", self.src_s_per_waiting),
+            ("src_s_per_pending_byte", self.src_s_per_pending_byte),
         ];
         for (n, v) in named {
             if !v.is_finite() || v < 0.0 {
@@ -210,6 +292,10 @@ pub struct CostModel {
     pub schema: String,
     /// The transport the records used (`rdma`, `tcp`, `shm`, ...).
     pub transport: String,
+    /// The send mode the records used (`whole`, `layerwise`) when the fit was restricted to
+    /// one; absent otherwise.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub send_mode: Option<String>,
     /// What it was fitted on.
     pub fitted_on: FittedOn,
     /// The least-squares terms (conditional mean).
@@ -334,7 +420,13 @@ impl CostModel {
         }
     }
 
-    /// Predicted seconds of `decode_sent → first_token` (see the module docs for the formula).
+    /// Predicted seconds of `decode_sent → first_token` from all the inputs.
+    pub fn predict_inputs(&self, x: &Inputs, q: Quantile) -> f64 {
+        self.terms_for(q).predict_inputs(x)
+    }
+
+    /// Predicted seconds of `decode_sent → first_token` with the source-side inputs at 0 (see
+    /// the module docs for the formula).
     pub fn predict(
         &self,
         bytes: u64,
@@ -348,7 +440,16 @@ impl CostModel {
     }
 }
 
-/// The term names, in file order.
+/// The source-side term names, in formula order: optional in a file (absent means 0).
+pub const OPTIONAL_TERM_NAMES: [&str; 5] = [
+    "prefill_s_per_token",
+    "src_s_per_queued_token",
+    "src_s_per_running_token",
+    "src_s_per_waiting",
+    "src_s_per_pending_byte",
+];
+
+/// The required term names, in file order.
 pub const TERM_NAMES: [&str; 5] = [
     "fixed_s",
     "bytes_per_s",

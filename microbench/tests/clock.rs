@@ -7,9 +7,12 @@ use std::path::PathBuf;
 use std::sync::OnceLock;
 
 use kvwire_bench::clock::cli::{ClockLinkSpeed, ClockScenario, ClockTransport, ClockWorkload};
+use kvwire_bench::clock::report::PoolSide;
 use kvwire_bench::clock::report::{parse_timeline_line, segments};
 use kvwire_bench::clock::workload::{parse_trace, TraceError};
-use kvwire_bench::clock::{run_matrix, ClockArgs, ClockConfig, ClockReport, Scenario};
+use kvwire_bench::clock::{
+    run_matrix, ClockArgs, ClockConfig, ClockReport, HeldBlocks, RequestSpec, Scenario,
+};
 use kvwire_connector::{Policy, SendMode};
 
 fn tmp(name: &str) -> PathBuf {
@@ -151,6 +154,17 @@ fn json_has_every_cell() {
             assert!(c[k].is_number(), "{k} in {c}");
         }
         assert_eq!(c["verified_requests"], c["requests"]);
+        for (side, cap) in [("p", 1024u64), ("d", 400)] {
+            let p = &c["pool"][side];
+            assert_eq!(p["side"], side, "{c}");
+            assert_eq!(p["capacity_blocks"].as_u64(), Some(cap), "{c}");
+            let mean = p["held_mean_blocks"].as_f64().unwrap();
+            let p99 = p["held_p99_blocks"].as_u64().unwrap();
+            // Brief holds can leave the 99th percentile at 0 while the mean is not.
+            assert!(mean > 0.0 && mean < cap as f64 && p99 <= cap, "{side}: {p}");
+            assert_eq!(p["lost_frac_mean"].as_f64(), Some(mean / cap as f64));
+            assert_eq!(p["lost_frac_p99"].as_f64(), Some(p99 as f64 / cap as f64));
+        }
     }
     let mut want = BTreeSet::new();
     for p in ["eager", "lazy", "jit"] {
@@ -186,6 +200,25 @@ fn timeline_lines_parse_and_carry_the_load() {
         assert!(r.decompose().is_some());
         let v: serde_json::Value = serde_json::from_str(l).unwrap();
         assert!(v["dst_waiting"].is_u64() && v["dst_running"].is_u64());
+        // What a router knows of the source: the request's own prefill is its uncached part.
+        for k in [
+            "src_waiting",
+            "src_queued_tokens",
+            "src_running",
+            "src_running_tokens",
+            "src_pending_bytes",
+        ] {
+            assert!(v[k].is_u64(), "{k} in {l}");
+        }
+        let (pf, cached) = (
+            v["prefill_tokens"].as_u64().unwrap(),
+            v["cached_tokens"].as_u64().unwrap(),
+        );
+        assert_eq!(pf + cached, u64::from(r.tokens), "{l}");
+        assert!(pf > 0, "pd: P prefills at least the new turn");
+        if v["src_waiting"].as_u64() == Some(0) {
+            assert_eq!(v["src_queued_tokens"].as_u64(), Some(0));
+        }
         assert!(r.policy.is_some() && r.send_mode.is_some());
         assert!(r.bytes > 0 && r.layers == 8);
     }
@@ -231,6 +264,12 @@ fn migration_sends_decode_after_prefill() {
     assert!(r.frozen_ns_per_byte.is_some_and(|v| v > 0.0));
     assert!(r.all_verified());
     for c in &r.cells {
+        // The KV is on the source already: nothing left to prefill at decode_sent.
+        assert_eq!(c.src_at_arrival.len(), c.records.len());
+        for (src, rec) in c.src_at_arrival.iter().zip(&c.records) {
+            assert_eq!(src.prefill_tokens, 0);
+            assert_eq!(src.cached_tokens, rec.tokens);
+        }
         for rec in &c.records {
             assert!(rec.p_last_layer_ready.unwrap() <= rec.decode_sent.unwrap());
             assert_eq!(rec.decompose().unwrap().wait_for_p, 0);
@@ -311,4 +350,86 @@ fn trace_workload_runs_and_bad_traces_are_typed_errors() {
             TraceError::Io { .. }
         ))
     ));
+}
+
+#[test]
+fn held_blocks_are_time_weighted_by_hand() {
+    // 4 blocks held on [0, 10), 2 more on [5, 20), closed at 40:
+    // level 4 for 5, 6 for 5, 2 for 10, 0 for 20.
+    let mut h = HeldBlocks::new(100);
+    h.hold(0, 4);
+    h.hold(5, 2);
+    h.release(10, 4);
+    h.release(20, 2);
+    h.close(40);
+    assert_eq!(h.mean(), (4.0 * 5.0 + 6.0 * 5.0 + 2.0 * 10.0) / 40.0);
+    assert_eq!(h.quantile(0.5), 0, "half the time nothing is held");
+    assert_eq!(h.quantile(0.75), 2);
+    assert_eq!(h.quantile(0.8), 4);
+    assert_eq!(h.quantile(0.99), 6);
+    let p = PoolSide::of(&h, "d");
+    assert_eq!(p.capacity_blocks, 100);
+    assert_eq!(p.held_mean_blocks, 1.75);
+    assert_eq!(p.held_p99_blocks, 6);
+    assert_eq!(p.lost_frac_mean, 0.0175);
+    assert_eq!(p.lost_frac_p99, 0.06);
+    // Nothing held, or an empty interval: zero, not NaN.
+    let mut e = HeldBlocks::new(8);
+    assert_eq!((e.mean(), e.quantile(0.99)), (0.0, 0));
+    e.close(100);
+    assert_eq!((e.mean(), e.quantile(0.99)), (0.0, 0));
+}
+
+#[test]
+fn pool_figures_of_one_request_match_its_milestones() {
+    // One request alone: D holds its blocks from reservation to promotion, P from the end of
+    // its prefill to the settlement of its last layer (D's last byte + one control-message
+    // latency); nothing else is held, so the figures follow from the record's timestamps.
+    for policy in [Policy::Eager, Policy::Jit] {
+        let mut cfg = ClockConfig::quick(5);
+        cfg.policies = vec![policy];
+        cfg.send_modes = vec![SendMode::Whole];
+        cfg.transport = kvwire_transfer::TransportKind::Tcp;
+        let specs = vec![RequestSpec {
+            arrival: 0,
+            prompt_tokens: 3_000,
+            cached_tokens: 1_000,
+            output_tokens: 2,
+        }];
+        let r = run_matrix(&cfg, &specs).unwrap();
+        assert!(r.all_verified());
+        let c = &r.cells[0];
+        let rec = &c.records[0];
+        let blocks = 3_000u64.div_ceil(u64::from(cfg.block_tokens));
+        assert_eq!(u64::from(rec.blocks), blocks);
+        let end = c.virtual_end;
+        let d_held = rec.d_promoted.unwrap() - rec.d_reserved.unwrap();
+        let p_held = rec.last_byte.unwrap() + cfg.msg_latency - rec.p_last_layer_ready.unwrap();
+        let s = &r.summaries[0].pool;
+        assert_eq!(s.d.capacity_blocks, cfg.d_pool_blocks);
+        assert_eq!(s.p.capacity_blocks, cfg.p_pool_blocks);
+        let mean = |held: u64| (u128::from(blocks) * u128::from(held)) as f64 / end as f64;
+        assert_eq!(s.d.held_mean_blocks, mean(d_held), "{policy:?}");
+        assert_eq!(s.p.held_mean_blocks, mean(p_held), "{policy:?}");
+        // Held more than 1% of the run: the 99th percentile is the whole request.
+        assert!(
+            d_held * 100 > end && p_held * 100 > end,
+            "{d_held} {p_held} {end}"
+        );
+        assert_eq!(s.d.held_p99_blocks, blocks);
+        assert_eq!(s.p.held_p99_blocks, blocks);
+        assert_eq!(
+            s.d.lost_frac_p99,
+            blocks as f64 / f64::from(cfg.d_pool_blocks)
+        );
+        assert_eq!(
+            s.d.lost_frac_mean,
+            mean(d_held) / f64::from(cfg.d_pool_blocks)
+        );
+        assert!(r.summaries[0].d_block_seconds_waiting > 0.0);
+        assert_eq!(
+            r.summaries[0].d_block_seconds_waiting,
+            (u128::from(blocks) * u128::from(d_held)) as f64 / 1e9
+        );
+    }
 }

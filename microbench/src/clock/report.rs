@@ -4,7 +4,7 @@ use kvwire_connector::{Decomposition, Nanos, Outcome, TimelineRecord};
 use serde::Serialize;
 use serde_json::{json, Value};
 
-use super::sim::CellRun;
+use super::sim::{CellRun, HeldBlocks};
 use super::workload::RequestSpec;
 use super::ClockConfig;
 
@@ -66,6 +66,51 @@ fn quantiles(v: &mut [Nanos]) -> Quantiles {
     }
 }
 
+/// Cache capacity of one pool lost to blocks held by kv_both, time-weighted over the cell.
+#[derive(Clone, Debug, Serialize, PartialEq)]
+pub struct PoolSide {
+    /// Blocks in the pool.
+    pub capacity_blocks: u32,
+    /// Time-weighted mean of the blocks held.
+    pub held_mean_blocks: f64,
+    /// Time-weighted 99th percentile of the blocks held (held no more than this 99% of the
+    /// time).
+    pub held_p99_blocks: u64,
+    /// `held_mean_blocks / capacity_blocks`.
+    pub lost_frac_mean: f64,
+    /// `held_p99_blocks / capacity_blocks`.
+    pub lost_frac_p99: f64,
+    /// `"p"` (prefill done → KV sent: the deferred free) or `"d"` (reserved → running: the
+    /// reservation ahead of the KV).
+    pub side: &'static str,
+}
+
+impl PoolSide {
+    /// The figures of one pool's record.
+    pub fn of(h: &HeldBlocks, side: &'static str) -> Self {
+        let mean = h.mean();
+        let p99 = h.quantile(0.99);
+        let cap = f64::from(h.capacity.max(1));
+        PoolSide {
+            capacity_blocks: h.capacity,
+            held_mean_blocks: mean,
+            held_p99_blocks: p99,
+            lost_frac_mean: mean / cap,
+            lost_frac_p99: p99 as f64 / cap,
+            side,
+        }
+    }
+}
+
+/// Both pools of a cell (`"pool": {"p": {...}, "d": {...}}` in the JSON).
+#[derive(Clone, Debug, Serialize, PartialEq)]
+pub struct PoolSummary {
+    /// P's pool.
+    pub p: PoolSide,
+    /// D's pool.
+    pub d: PoolSide,
+}
+
 /// One cell's figures.
 #[derive(Clone, Debug, Serialize)]
 pub struct CellSummary {
@@ -94,6 +139,8 @@ pub struct CellSummary {
     pub d_block_seconds_waiting: f64,
     /// D steps in which a reservable request could not get blocks.
     pub admission_stalls: u64,
+    /// Cache capacity held by kv_both in P's and D's pools (time-weighted over the cell).
+    pub pool: PoolSummary,
     /// D steps run.
     pub d_steps: u64,
     /// Writes (after coalescing) per request, mean.
@@ -213,6 +260,10 @@ fn summarize(c: &CellRun, requests: usize) -> CellSummary {
         decomposition_ms,
         d_block_seconds_waiting: block_ns as f64 / 1e9,
         admission_stalls: c.admission_stalls,
+        pool: PoolSummary {
+            p: PoolSide::of(&c.pool.p, "p"),
+            d: PoolSide::of(&c.pool.d, "d"),
+        },
         d_steps: c.d_steps,
         writes_per_request: c.writes as f64 / nreq,
         ops_per_request: c.ops as f64 / nreq,
@@ -286,6 +337,39 @@ pub fn table(r: &ClockReport) -> String {
             x.requests
         ));
     }
+    s.push_str(&format!(
+        "block pool held by kv_both (time-weighted; P: prefill done -> KV sent, pool {} blocks; D: reserved -> running, pool {} blocks)\n",
+        c.p_pool_blocks, c.d_pool_blocks
+    ));
+    s.push_str(&format!(
+        "{:<6} {:<9} | {:>10} {:>8} {:>8} {:>8} | {:>10} {:>8} {:>8} {:>8}\n",
+        "policy",
+        "send",
+        "P mean blk",
+        "P p99",
+        "P mean%",
+        "P p99%",
+        "D mean blk",
+        "D p99",
+        "D mean%",
+        "D p99%"
+    ));
+    for x in &r.summaries {
+        let (p, d) = (&x.pool.p, &x.pool.d);
+        s.push_str(&format!(
+            "{:<6} {:<9} | {:>10.1} {:>8} {:>7.2}% {:>7.2}% | {:>10.1} {:>8} {:>7.2}% {:>7.2}%\n",
+            x.policy,
+            x.send_mode,
+            p.held_mean_blocks,
+            p.held_p99_blocks,
+            100.0 * p.lost_frac_mean,
+            100.0 * p.lost_frac_p99,
+            d.held_mean_blocks,
+            d.held_p99_blocks,
+            100.0 * d.lost_frac_mean,
+            100.0 * d.lost_frac_p99,
+        ));
+    }
     s
 }
 
@@ -326,17 +410,34 @@ pub fn to_json(r: &ClockReport) -> Value {
     })
 }
 
-/// Timeline JSON lines for the calibrator: the connector's merged records, each with the D
-/// load at its arrival (`dst_waiting`, `dst_running`) added, and the bytes of the modelled
-/// model.
+/// Timeline JSON lines for the calibrator: the connector's merged records, each with what a
+/// router knows at `decode_sent` added — D's load (`dst_waiting`, `dst_running`), P's queue
+/// ahead of the request and the step P is running (`src_waiting`, `src_queued_tokens`,
+/// `src_running`, `src_running_tokens`: tokens of that step not computed yet by P's
+/// layer-ready count; `src_pending_bytes`: modelled KV bytes P sends before this request's),
+/// the request's own prefill work (`prefill_tokens`:
+/// uncached tokens P computes after `decode_sent`, 0 in migration; `cached_tokens`) — and the
+/// scenario. Bytes are those of the modelled model.
 pub fn timeline_lines(r: &ClockReport) -> String {
     let mut s = String::new();
     for c in &r.cells {
-        for (rec, load) in c.records.iter().zip(&c.load_at_arrival) {
+        for ((rec, load), src) in c
+            .records
+            .iter()
+            .zip(&c.load_at_arrival)
+            .zip(&c.src_at_arrival)
+        {
             let mut v = serde_json::to_value(rec).unwrap_or(Value::Null);
             if let Value::Object(m) = &mut v {
                 m.insert("dst_waiting".into(), json!(load.0));
                 m.insert("dst_running".into(), json!(load.1));
+                m.insert("src_waiting".into(), json!(src.waiting));
+                m.insert("src_queued_tokens".into(), json!(src.queued_tokens));
+                m.insert("src_running".into(), json!(src.running));
+                m.insert("src_running_tokens".into(), json!(src.running_tokens));
+                m.insert("src_pending_bytes".into(), json!(src.pending_bytes));
+                m.insert("prefill_tokens".into(), json!(src.prefill_tokens));
+                m.insert("cached_tokens".into(), json!(src.cached_tokens));
                 m.insert("scenario".into(), json!(r.config.scenario.name()));
             }
             s.push_str(&v.to_string());

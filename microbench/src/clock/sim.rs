@@ -29,6 +29,12 @@ pub struct CellRun {
     pub records: Vec<TimelineRecord>,
     /// Per request (same order as `records`): D's waiting and running counts at arrival.
     pub load_at_arrival: Vec<(u32, u32)>,
+    /// Per request (same order as `records`): what a router knows of the source (P) at
+    /// `decode_sent`.
+    pub src_at_arrival: Vec<SrcLoad>,
+    /// Blocks held by kv_both on P (prefill done → blocks released after the send) and on D
+    /// (reserved → promoted), over the cell's virtual time.
+    pub pool: PoolHeld,
     /// Requests whose every layer was checked on D against the pattern.
     pub verified_requests: usize,
     /// Layers whose bytes on D did not match.
@@ -55,6 +61,114 @@ pub struct CellRun {
     pub virtual_end: Nanos,
     /// Wall time of the cell.
     pub wall: Duration,
+}
+
+/// What a router knows of the prefill (source) engine when it sends a request to D: the
+/// requests queued on P ahead of this one and the step P is running, and the request's own
+/// prefill work.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct SrcLoad {
+    /// Requests queued on P, not yet scheduled, ahead of this one.
+    pub waiting: u32,
+    /// Their uncached (to be prefilled) tokens.
+    pub queued_tokens: u64,
+    /// Requests in the step P is running (other than this one).
+    pub running: u32,
+    /// Uncached tokens of that step not computed yet, as P's layer-ready events tell:
+    /// `tokens × (layers − layers ready) / layers`.
+    pub running_tokens: u64,
+    /// Modelled KV bytes P will send before this request's: what is not yet landed of the
+    /// requests whose prefill is done, plus all of those in the running step and queued ahead.
+    pub pending_bytes: u64,
+    /// This request's tokens P must still prefill (0 when its prefill is done: migration).
+    pub prefill_tokens: u32,
+    /// This request's tokens P has cached.
+    pub cached_tokens: u32,
+}
+
+/// A time-weighted record of how many blocks of one pool are held: a step function of virtual
+/// time from 0 to the end of the cell.
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct HeldBlocks {
+    /// Blocks in the pool.
+    pub capacity: u32,
+    level: u64,
+    since: Nanos,
+    /// Nanoseconds spent at each level (level → duration).
+    time_at: std::collections::BTreeMap<u64, u128>,
+}
+
+impl HeldBlocks {
+    /// An empty record for a pool of `capacity` blocks.
+    pub fn new(capacity: u32) -> Self {
+        HeldBlocks {
+            capacity,
+            ..Default::default()
+        }
+    }
+
+    fn settle(&mut self, now: Nanos) {
+        let dt = now.saturating_sub(self.since);
+        if dt > 0 {
+            *self.time_at.entry(self.level).or_default() += u128::from(dt);
+        }
+        self.since = self.since.max(now);
+    }
+
+    /// `blocks` more held from `now` on.
+    pub fn hold(&mut self, now: Nanos, blocks: u64) {
+        self.settle(now);
+        self.level += blocks;
+    }
+
+    /// `blocks` fewer held from `now` on.
+    pub fn release(&mut self, now: Nanos, blocks: u64) {
+        self.settle(now);
+        self.level = self.level.saturating_sub(blocks);
+    }
+
+    /// Closes the record at `end` (the end of the cell).
+    pub fn close(&mut self, end: Nanos) {
+        self.settle(end);
+    }
+
+    /// Time-weighted mean of the blocks held over `[0, end]` (0 for an empty interval).
+    pub fn mean(&self) -> f64 {
+        let total: u128 = self.time_at.values().sum();
+        if total == 0 {
+            return 0.0;
+        }
+        let area: u128 = self.time_at.iter().map(|(&l, &t)| u128::from(l) * t).sum();
+        area as f64 / total as f64
+    }
+
+    /// Time-weighted `q` quantile (0..=1): the fewest blocks that were held no more than that
+    /// for at least a `q` fraction of the time.
+    pub fn quantile(&self, q: f64) -> u64 {
+        let total: u128 = self.time_at.values().sum();
+        if total == 0 {
+            return 0;
+        }
+        let mut acc = 0u128;
+        for (&l, &t) in &self.time_at {
+            acc += t;
+            if acc as f64 >= q * total as f64 {
+                return l;
+            }
+        }
+        self.time_at.keys().next_back().copied().unwrap_or(0)
+    }
+}
+
+/// Blocks held by kv_both in each pool of a cell.
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct PoolHeld {
+    /// P: blocks of requests whose prefill is done and whose KV is not yet sent (a prefill
+    /// engine without a connector would free them at the end of prefill).
+    pub p: HeldBlocks,
+    /// D: blocks reserved for requests not yet running (a decode engine without a connector
+    /// allocates them when the request starts running).
+    pub d: HeldBlocks,
 }
 
 enum Ev {
@@ -105,7 +219,10 @@ struct ReqState {
     layers_ok: u16,
     layers_landed: u16,
     load: (u32, u32),
+    src: SrcLoad,
     d_live: bool,
+    p_held: bool,
+    d_held: bool,
 }
 
 struct Cell<'a> {
@@ -122,6 +239,7 @@ struct Cell<'a> {
     p_queue: VecDeque<u64>,
     p_busy: bool,
     p_batch: Vec<u64>,
+    p_step: (Nanos, Nanos),
     p_wake: Option<Nanos>,
     link_free: Nanos,
     last_to_d: Nanos,
@@ -183,6 +301,7 @@ pub fn run_cell(
         p_queue: VecDeque::new(),
         p_busy: false,
         p_batch: Vec::new(),
+        p_step: (0, 1),
         p_wake: None,
         link_free: 0,
         last_to_d: 0,
@@ -204,6 +323,11 @@ pub fn run_cell(
             send_mode,
             records: Vec::new(),
             load_at_arrival: Vec::new(),
+            src_at_arrival: Vec::new(),
+            pool: PoolHeld {
+                p: HeldBlocks::new(cfg.p_pool_blocks),
+                d: HeldBlocks::new(cfg.d_pool_blocks),
+            },
             verified_requests: 0,
             corrupt_layers: 0,
             bytes_verified: 0,
@@ -294,6 +418,8 @@ impl Cell<'_> {
             )));
         }
         self.out.virtual_end = self.now;
+        self.out.pool.p.close(self.now);
+        self.out.pool.d.close(self.now);
         Ok(())
     }
 
@@ -306,6 +432,11 @@ impl Cell<'_> {
             Ev::DRecv(req) => self.d_arrive(req)?,
             Ev::PStepEnd => {
                 for req in std::mem::take(&mut self.p_batch) {
+                    let st = &mut self.st[req as usize];
+                    if !st.p_blocks.is_empty() {
+                        st.p_held = true;
+                        self.out.pool.p.hold(self.now, st.p_blocks.len() as u64);
+                    }
                     self.p
                         .handle(
                             PEvent::PrefillDone {
@@ -437,6 +568,7 @@ impl Cell<'_> {
         }
         self.p_busy = true;
         self.p_batch = batch;
+        self.p_step = (self.now, dur.max(1));
         self.at(self.now + dur, Ev::PStepEnd);
         self.drain_p()
     }
@@ -461,6 +593,9 @@ impl Cell<'_> {
                         )));
                     }
                     st.p_blocks.clear();
+                    if std::mem::take(&mut st.p_held) {
+                        self.out.pool.p.release(self.now, blocks.len() as u64);
+                    }
                     self.p_pool.release(&blocks);
                     freed = true;
                 }
@@ -559,8 +694,10 @@ impl Cell<'_> {
     // ----- D engine -----
 
     fn d_arrive(&mut self, req: u64) -> Result<(), ClockError> {
+        let src = self.src_load(req);
         let st = &mut self.st[req as usize];
         st.load = (self.d_waiting, self.running.len() as u32);
+        st.src = src;
         st.d_live = true;
         self.d_waiting += 1;
         let blocks = self.blocks_of(req);
@@ -576,6 +713,61 @@ impl Cell<'_> {
             )
             .map_err(d_err)?;
         self.drain_d()
+    }
+
+    /// What a router knows of P when `req` reaches D: the requests queued on P ahead of it
+    /// (all of P's queue when P has not received it yet), the step P is running, and the
+    /// request's own prefill work.
+    fn src_load(&self, req: u64) -> SrcLoad {
+        let migration = self.cfg.scenario == Scenario::Migration;
+        let uncached = |r: u64| {
+            if migration {
+                0
+            } else {
+                u64::from(self.specs[r as usize].uncached())
+            }
+        };
+        let layers = u64::from(self.cfg.layers.max(1));
+        let model_bytes = |r: u64| {
+            u64::from(self.blocks_of(r))
+                * u64::from(self.cfg.block_tokens)
+                * self.cfg.model_bytes_per_token
+        };
+        let mut s = SrcLoad::default();
+        // Once P runs the request, everything still queued on P is behind it.
+        let started = self.p_busy && self.p_batch.contains(&req);
+        let ahead = if started { 0 } else { self.p_queue.len() };
+        for &r in self.p_queue.iter().take(ahead).take_while(|&&r| r != req) {
+            s.waiting += 1;
+            s.queued_tokens += uncached(r);
+            s.pending_bytes += model_bytes(r);
+        }
+        if self.p_busy {
+            let (start, dur) = self.p_step;
+            let ready = (u128::from(self.now.saturating_sub(start)) * u128::from(layers)
+                / u128::from(dur))
+            .min(u128::from(layers)) as u64;
+            for &r in self.p_batch.iter().filter(|&&r| r != req) {
+                s.running += 1;
+                s.running_tokens += uncached(r) * (layers - ready) / layers;
+                s.pending_bytes += model_bytes(r);
+            }
+        }
+        // Prefilled, blocks still held on P: the layers not landed yet are still to go.
+        for (r, st) in self.st.iter().enumerate() {
+            if st.p_held && r as u64 != req {
+                let left = layers.saturating_sub(u64::from(st.layers_landed));
+                s.pending_bytes += model_bytes(r as u64) * left / layers;
+            }
+        }
+        let spec = &self.specs[req as usize];
+        s.prefill_tokens = uncached(req) as u32;
+        s.cached_tokens = if migration {
+            spec.prompt_tokens
+        } else {
+            spec.cached_tokens.min(spec.prompt_tokens)
+        };
+        s
     }
 
     fn land(&mut self, req: u64, layer: u16, model_bytes: u64) -> Result<(), ClockError> {
@@ -632,6 +824,10 @@ impl Cell<'_> {
             self.d
                 .handle(DEvent::Promoted { req }, now)
                 .map_err(d_err)?;
+            let st = &mut self.st[req.0 as usize];
+            if std::mem::take(&mut st.d_held) {
+                self.out.pool.d.release(now, st.d_blocks.len() as u64);
+            }
             self.d_waiting = self.d_waiting.saturating_sub(1);
             let out = self.specs[req.0 as usize].output_tokens.max(1);
             self.running.push((req, out));
@@ -650,7 +846,10 @@ impl Cell<'_> {
                 break;
             };
             self.reservable.pop_front();
-            self.st[req.0 as usize].d_blocks = blocks.clone();
+            self.out.pool.d.hold(now, blocks.len() as u64);
+            let st = &mut self.st[req.0 as usize];
+            st.d_blocks = blocks.clone();
+            st.d_held = true;
             self.d
                 .handle(DEvent::Reserved { req, blocks }, now)
                 .map_err(d_err)?;
@@ -762,6 +961,14 @@ impl Cell<'_> {
         self.out.load_at_arrival = recs
             .iter()
             .map(|r| self.st.get(r.req.0 as usize).map_or((0, 0), |s| s.load))
+            .collect();
+        self.out.src_at_arrival = recs
+            .iter()
+            .map(|r| {
+                self.st
+                    .get(r.req.0 as usize)
+                    .map_or_else(SrcLoad::default, |s| s.src)
+            })
             .collect();
         self.out.records = recs;
         self.out
