@@ -12,6 +12,7 @@
 //! (the host must then tear its connection down, [`DAction::DisconnectPeer`]), or the drain
 //! deadline passes.
 
+use crate::metrics::{reason_index, DGauges, DMetrics};
 use crate::msg::{DecodeError, Message};
 use crate::peers::{Heard, LayerSet, Peers, Tombstones};
 use crate::timeline::{Outcome, Side, TimelineRecord};
@@ -330,13 +331,13 @@ pub struct DSide {
     actions: VecDeque<DAction>,
     timeline: VecDeque<TimelineRecord>,
     stats: DStats,
+    metrics: DMetrics,
 }
 
 impl DSide {
     /// A D core with no requests.
     pub fn new(cfg: DConfig) -> Self {
         DSide {
-            cfg,
             reqs: IdMap::default(),
             early: 0,
             peers: Peers::default(),
@@ -346,6 +347,8 @@ impl DSide {
             actions: VecDeque::new(),
             timeline: VecDeque::new(),
             stats: DStats::default(),
+            metrics: DMetrics::new(cfg.policy),
+            cfg,
         }
     }
 
@@ -357,6 +360,36 @@ impl DSide {
     /// Counters of unusual situations.
     pub fn stats(&self) -> &DStats {
         &self.stats
+    }
+
+    /// Cumulative connector metrics (see [`crate::metrics`]).
+    pub fn metrics(&self) -> &DMetrics {
+        &self.metrics
+    }
+
+    /// Requests by state now and the blocks their reservations hold, with the block-nanoseconds
+    /// held so far up to `now`. Walks the live requests once: call it per scrape or engine step.
+    pub fn gauges(&self, now: Nanos) -> DGauges {
+        let mut g = DGauges::default();
+        for r in self.reqs.values() {
+            match r.state {
+                DState::Early => g.early += 1,
+                DState::Waiting => g.waiting += 1,
+                DState::Reserved => g.reserved += 1,
+                DState::Complete => g.complete += 1,
+                DState::Reported => g.reported += 1,
+                DState::Promoted => g.promoted += 1,
+                DState::Draining => g.draining += 1,
+            }
+            if r.state != DState::Promoted && !r.blocks.is_empty() {
+                let n = r.blocks.len() as u64;
+                g.held_blocks += n;
+                if let Some(at) = r.rec.d_reserved {
+                    g.held_block_ns += u128::from(n) * u128::from(now.saturating_sub(at));
+                }
+            }
+        }
+        g
     }
 
     /// Requests the core currently tracks (arrived and not ended, plus early ones).
@@ -442,7 +475,10 @@ impl DSide {
                 }
                 r.state = DState::Promoted;
                 r.rec.d_promoted = Some(now);
+                let held = held_ns(r.blocks.len(), r.rec.d_reserved, now);
                 self.stats.finished += 1;
+                self.metrics.promoted += 1;
+                self.metrics.block_ns_waiting += held;
                 Ok(())
             }
             DEvent::FirstToken { req } => {
@@ -451,6 +487,9 @@ impl DSide {
                     return Err(invalid(req, "first_token", r.state));
                 }
                 r.rec.first_token = Some(now);
+                if let Some(r) = self.reqs.get(&req) {
+                    self.metrics.observe_first_token(&r.rec);
+                }
                 self.end(req, now);
                 Ok(())
             }
@@ -557,6 +596,7 @@ impl DSide {
             },
         );
         self.peers.attach(peer, req);
+        self.metrics.arrived += 1;
         if peer_aborted {
             // P already gave this request up: it fails here at once (no blocks held).
             if let Some(r) = self.reqs.get_mut(&req) {
@@ -591,6 +631,15 @@ impl DSide {
         let Some(r) = self.reqs.get_mut(&req) else {
             // The request ended while the host was reserving: hand the blocks straight back.
             self.stats.stale_reservations += 1;
+            self.metrics.releases += 1;
+            self.metrics.released_blocks += blocks.len() as u64;
+            tracing::debug!(
+                target: "kvwire_connector",
+                req = req.0,
+                blocks = blocks.len(),
+                reason = "stale",
+                "d released blocks"
+            );
             self.actions
                 .push_back(DAction::ReleaseBlocks { req, blocks });
             return Ok(());
@@ -620,6 +669,16 @@ impl DSide {
             req,
             blocks: blocks.clone(),
         };
+        self.metrics.reservations += 1;
+        self.metrics.reserved_blocks += blocks.len() as u64;
+        tracing::debug!(
+            target: "kvwire_connector",
+            req = req.0,
+            peer = peer.0,
+            blocks = blocks.len(),
+            policy = policy.name(),
+            "d reserved blocks"
+        );
         r.blocks = blocks;
         self.send(peer, msg);
         Ok(())
@@ -760,10 +819,16 @@ impl DSide {
             self.stats.duplicate_messages += 1;
             return;
         }
+        let before = r.rec.bytes;
         match layer {
-            Some(_) => r.rec.bytes += bytes,
+            Some(_) => r.rec.bytes = r.rec.bytes.saturating_add(bytes),
             None => r.rec.bytes = r.rec.bytes.max(bytes),
         }
+        // Saturating: the byte counts come from P's messages.
+        self.metrics.bytes_received = self
+            .metrics
+            .bytes_received
+            .saturating_add(r.rec.bytes.saturating_sub(before));
         if r.rec.first_byte.is_none() {
             r.rec.first_byte = Some(now);
         }
@@ -772,6 +837,7 @@ impl DSide {
             r.rec.last_byte = Some(now);
             r.gen += 1;
             let peer = r.peer;
+            self.metrics.completed += 1;
             // Everything is here: the peer's death no longer affects this request.
             self.peers.detach(peer, req);
             self.actions.push_back(DAction::ReportFinished { req });
@@ -831,8 +897,20 @@ impl DSide {
         let blocks = std::mem::take(&mut r.blocks);
         r.rec.outcome = Outcome::Failed;
         r.rec.fail_reason = Some(reason);
+        self.metrics.failed[reason_index(reason)] += 1;
         if !blocks.is_empty() {
             r.rec.d_released = Some(now);
+            self.metrics.releases += 1;
+            self.metrics.released_blocks += blocks.len() as u64;
+            self.metrics.block_ns_waiting += held_ns(blocks.len(), r.rec.d_reserved, now);
+            tracing::debug!(
+                target: "kvwire_connector",
+                req = req.0,
+                peer = r.peer.0,
+                blocks = blocks.len(),
+                reason = crate::metrics::fail_reason_name(reason),
+                "d released blocks"
+            );
             self.actions.push_back(DAction::ReleaseBlocks {
                 req,
                 blocks: blocks.clone(),
@@ -1120,6 +1198,13 @@ fn allowed(policy: Policy, r: &DReq) -> bool {
         Policy::Lazy => r.p_started,
         Policy::Jit => r.p_done,
     }
+}
+
+/// Block-nanoseconds of `blocks` held from `reserved` to `now`.
+fn held_ns(blocks: usize, reserved: Option<Nanos>, now: Nanos) -> u128 {
+    reserved.map_or(0, |at| {
+        (blocks as u128) * u128::from(now.saturating_sub(at))
+    })
 }
 
 fn invalid(req: RequestId, event: &'static str, state: DState) -> DError {

@@ -11,6 +11,9 @@
 //!   they become ready ([`SendMode::Layerwise`]) or after prefill ([`SendMode::Whole`]),
 //!   releasing P's blocks exactly once.
 //! * [`msg`]: the messages between them and their bounds-checked binary codec.
+//! * [`metrics`]: cumulative counters, request-state gauges and latency histograms of both
+//!   cores (reservations, releases, block-seconds held waiting, the `decode_sent → first_token`
+//!   parts), read by the host; reservation and release also emit `tracing` events.
 //! * [`timeline`]: per-request timestamps as JSON lines and the decomposition of the
 //!   `decode_sent → first_token` clock.
 //!
@@ -84,6 +87,7 @@
 #![deny(missing_docs)]
 
 pub mod dside;
+pub mod metrics;
 pub mod msg;
 pub(crate) mod peers;
 pub mod pside;
@@ -93,6 +97,7 @@ pub(crate) mod timer;
 pub mod types;
 
 pub use dside::{DAction, DConfig, DError, DEvent, DSide, DStats};
+pub use metrics::{DGauges, DMetrics, Histogram, PMetrics};
 pub use msg::{DecodeError, EncodeError, Message};
 pub use pside::{PAction, PConfig, PError, PEvent, PSide, PStats};
 pub use timeline::{decompose, Decomposition, Outcome, Side, TimelineRecord};

@@ -10,6 +10,7 @@
 //! ([`PEvent::TransferDone`]/[`PEvent::TransferFailed`]) or for the drain deadline. Only then is
 //! D told `Abort`, which promises that P will not write into D's blocks again.
 
+use crate::metrics::{fail_reason_name, reason_index, PMetrics};
 use crate::msg::{DecodeError, Message};
 use crate::peers::{Heard, LayerSet, Peers, Tombstones};
 use crate::timeline::{Outcome, Side, TimelineRecord};
@@ -299,6 +300,7 @@ pub struct PSide {
     actions: VecDeque<PAction>,
     timeline: VecDeque<TimelineRecord>,
     stats: PStats,
+    metrics: PMetrics,
 }
 
 impl PSide {
@@ -315,6 +317,7 @@ impl PSide {
             actions: VecDeque::new(),
             timeline: VecDeque::new(),
             stats: PStats::default(),
+            metrics: PMetrics::default(),
         }
     }
 
@@ -326,6 +329,11 @@ impl PSide {
     /// Counters of unusual situations.
     pub fn stats(&self) -> &PStats {
         &self.stats
+    }
+
+    /// Cumulative connector metrics (see [`crate::metrics`]).
+    pub fn metrics(&self) -> &PMetrics {
+        &self.metrics
     }
 
     /// Requests the core currently tracks (scheduled and not ended, plus early ones).
@@ -499,6 +507,7 @@ impl PSide {
             },
         );
         self.peers.attach(peer, req);
+        self.metrics.scheduled += 1;
         if peer_aborted {
             // D already gave this request up: release P's blocks at once.
             self.fail(req, FailReason::RemoteAbort, false, now);
@@ -608,6 +617,7 @@ impl PSide {
             r.rec.first_byte = Some(now);
         }
         let first_inflight = r.inflight == 1;
+        self.metrics.transfers += 1;
         self.actions.push_back(PAction::Transfer {
             req,
             peer: r.peer,
@@ -645,6 +655,13 @@ impl PSide {
         let peer = r.peer;
         let state = r.state;
         let inflight = r.inflight;
+        match bytes {
+            Some(b) => {
+                self.metrics.transfers_done += 1;
+                self.metrics.bytes_sent = self.metrics.bytes_sent.saturating_add(b);
+            }
+            None => self.metrics.transfers_failed += 1,
+        }
         match (state, bytes) {
             (PState::Draining, _) => {
                 if inflight == 0 {
@@ -653,7 +670,7 @@ impl PSide {
             }
             (_, None) => self.fail(req, FailReason::TransferError, true, now),
             (_, Some(b)) => {
-                r.rec.bytes += b;
+                r.rec.bytes = r.rec.bytes.saturating_add(b);
                 let complete = r.done.count() == layers;
                 self.send(
                     peer,
@@ -681,6 +698,20 @@ impl PSide {
         let total = r.rec.bytes;
         let blocks = r.src.to_vec();
         let peer = r.peer;
+        self.metrics.completed += 1;
+        self.metrics.releases += 1;
+        self.metrics.released_blocks += blocks.len() as u64;
+        if let Some(at) = r.rec.p_scheduled {
+            self.metrics.send_latency.observe(now.saturating_sub(at));
+        }
+        tracing::debug!(
+            target: "kvwire_connector",
+            req = req.0,
+            peer = peer.0,
+            blocks = blocks.len(),
+            reason = "sent",
+            "p released blocks"
+        );
         self.send(
             peer,
             Message::AllSent {
@@ -826,6 +857,17 @@ impl PSide {
         let blocks = r.src.to_vec();
         let peer = r.peer;
         let notify = !r.silent;
+        self.metrics.failed[reason_index(reason)] += 1;
+        self.metrics.releases += 1;
+        self.metrics.released_blocks += blocks.len() as u64;
+        tracing::debug!(
+            target: "kvwire_connector",
+            req = req.0,
+            peer = peer.0,
+            blocks = blocks.len(),
+            reason = fail_reason_name(reason),
+            "p released blocks"
+        );
         self.actions
             .push_back(PAction::ReleaseBlocks { req, blocks });
         self.actions

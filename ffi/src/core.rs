@@ -17,7 +17,7 @@ use kvwire_connector::{
     Policy, RequestId, SendMode,
 };
 use pyo3::prelude::*;
-use pyo3::types::{PyBytes, PyTuple};
+use pyo3::types::{PyBytes, PyDict, PyTuple};
 
 use crate::errors::{invalid, ConnectorError};
 
@@ -271,6 +271,11 @@ impl DCore {
             .map(|r| r.to_json_line())
             .collect()
     }
+    /// Cumulative metrics and, as of `now` (ns, the same clock as the events), requests by
+    /// state and the blocks their reservations hold: a dict (see `docs/metrics.md`).
+    fn metrics<'py>(&self, py: Python<'py>, now: u64) -> PyResult<Bound<'py, PyDict>> {
+        crate::core_metrics::d_dict(py, self.core.metrics(), &self.core.gauges(now))
+    }
 }
 
 /// Prefill-side core: layers held until D's block ids arrive, sent layerwise or whole, P's
@@ -495,11 +500,19 @@ impl PCore {
             .map(|r| r.to_json_line())
             .collect()
     }
+    /// Cumulative metrics: a dict (see `docs/metrics.md`).
+    fn metrics<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
+        crate::core_metrics::p_dict(py, self.core.metrics())
+    }
 }
 
 /// Adds the connector-core classes to the module.
 pub fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<DCore>()?;
     m.add_class::<PCore>()?;
+    m.add(
+        "CONNECTOR_BUCKET_BOUNDS",
+        crate::core_metrics::bucket_bounds(),
+    )?;
     Ok(())
 }

@@ -8,6 +8,7 @@
 //! release the GIL.
 
 pub mod core;
+pub mod core_metrics;
 pub mod engine;
 pub mod errors;
 pub mod mooncake;

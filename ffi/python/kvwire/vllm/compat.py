@@ -7,6 +7,17 @@ try:  # 0.33.0 and later
 except ImportError:  # 0.18.1: the worker calls get_finished directly; no failed_recving
     KVConnectorTransferResults = None
 
+try:  # 0.33.0: base class renamed from KVConnectorPrometheus (0.18.1)
+    from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorProm
+except ImportError:
+    from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorPrometheus as KVConnectorProm
+
+# vLLM 0.18.1's Scheduler.update_from_output asks the scheduler-side connector for its stats only
+# when the workers' output carries stats (``if kv_connector_stats and self.connector``); 0.33.0
+# asks every step. On 0.18.1 the worker therefore returns a (possibly empty) stats object every
+# step, so that the scheduler's numbers (the P/D cores) reach the loggers.
+SCHEDULER_STATS_RIDE_ON_WORKER_STATS = KVConnectorTransferResults is None
+
 try:
     from vllm.distributed.kv_transfer.kv_connector.v1.base import SupportsHMA
 except ImportError:

@@ -20,9 +20,11 @@ Extra config (``kv_connector_extra_config``)
 ``policy``: ``eager`` | ``lazy`` (default) | ``jit`` — when D reserves its blocks (lazy: once P
 announced it started the request; until then ``get_num_new_matched_tokens`` returns ``None``
 and the request holds no block). ``send_mode``: ``whole`` (default) | ``layerwise``.
-``control_listen`` (scheduler), ``data_listen`` (worker; D's must be reachable by P's worker and
-is announced to P by D's scheduler), ``secret``, ``transport``, ``layers`` and the core's
-timeouts (``peer_timeout``, ``wait_for_p_timeout``, ``request_timeout``, ``drain_timeout``,
+``stats_interval`` (s, default 0.1): how often vLLM's stats hooks take a new snapshot of the
+cores and engines (see docs/metrics.md). ``control_listen`` (scheduler), ``data_listen``
+(worker; D's must be reachable by P's worker and is announced to P by D's scheduler),
+``secret``, ``transport``, ``layers`` and the core's timeouts (``peer_timeout``,
+``wait_for_p_timeout``, ``request_timeout``, ``drain_timeout``,
 ``block_ids_timeout``, in seconds).
 
 Failures on D (P down, timeout, transfer error, P aborted) are reported through vLLM's load-error
@@ -57,6 +59,8 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 from vllm.v1.request import RequestStatus
 
 from kvwire.vllm import compat
+from kvwire.vllm import stats as _stats
+from kvwire.vllm.stats import KvwireConnectorStats, KvwirePromMetrics
 
 logger = logging.getLogger("kvwire.vllm")
 
@@ -201,6 +205,16 @@ class KvwireConnector(KVConnectorBase_V1, compat.SupportsHMA):
         self._transport = extra.get("transport", "auto")
         self._block_size = vllm_config.cache_config.block_size
         self._layers = _num_layers(vllm_config, kv_cache_config, extra)
+        # Stats snapshots at most this often (s): Engine.metrics() costs hundreds of µs, too much
+        # for every step. Counters stay exact (deltas of cumulative values), gauges lag by up to this.
+        try:
+            interval = float(extra.get("stats_interval", 0.1))
+        except (TypeError, ValueError):
+            interval = -1.0
+        if not (interval >= 0 and interval < 1e9):
+            raise kvwire.InvalidArgumentError(
+                f"stats_interval must be a number of seconds >= 0, got {extra.get('stats_interval')!r}")
+        self._stats_interval_ns = int(interval * 1e9)
         kt = vllm_config.kv_transfer_config
         self._is_producer = kt.kv_role in ("kv_producer", "kv_both")
         self._is_consumer = kt.kv_role in ("kv_consumer", "kv_both")
@@ -229,6 +243,23 @@ class KvwireConnector(KVConnectorBase_V1, compat.SupportsHMA):
 
     def request_finished_all_groups(self, request, block_ids):
         return self._sched.request_finished(request, list(block_ids[0]) if block_ids else [])
+
+    # ---- stats (vLLM's connector stats and Prometheus hooks) ----
+    def get_kv_connector_stats(self):
+        """Scheduler: the connector cores' deltas and gauges since the last call; worker: the data
+        engine's. ``None`` when nothing changed (except on vLLM 0.18.1's worker, see compat)."""
+        half = self._sched if self._sched is not None else self._worker
+        return half.stats() if half is not None else None
+
+    @classmethod
+    def build_kv_connector_stats(cls, data=None):
+        # A copy: the logger's accumulator aggregates into it, and vLLM gives the same payload
+        # to its Prometheus logger.
+        return KvwireConnectorStats(data=_stats.copy_payload(data))
+
+    @classmethod
+    def build_prom_metrics(cls, vllm_config, metric_types, labelnames, per_engine_labelvalues):
+        return KvwirePromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)
 
     def has_pending_push_work(self):  # 0.33.0 only; keeps P stepping while sends are pending
         return self._sched is not None and self._sched.has_pending_work()
@@ -304,6 +335,8 @@ class _SchedulerSide:
         self.d_delayed: set[str] = set()  # aborted D requests whose blocks wait for P
         self.d_reported: set[str] = set()
         self.d_promoted: set[int] = set()
+        # Promoted in this step: their first token comes out of this step's forward.
+        self.d_first_pending: set[int] = set()
         self.p_key: dict[str, int] = {}
         self.p_req: dict[int, str] = {}
         self.p_info: dict[int, tuple] = {}  # key -> (peer id, tokens, blocks)
@@ -319,6 +352,8 @@ class _SchedulerSide:
         self.out_transfers: list = []
         self.timeline: list[str] = []
         self.lock = threading.Lock()
+        self.deltas = _stats.DeltaTracker("scheduler")
+        self.stats_at = None
 
     # -- helpers --
     def _params(self, request):
@@ -387,6 +422,7 @@ class _SchedulerSide:
             logger.warning("kvwire: request %s failed on P: %s", self.p_req.get(a[1]), a[2])
 
     def _forget_d(self, key):
+        self.d_first_pending.discard(key)
         req = self.d_req.pop(key, None)
         if req is not None:
             self.d_key.pop(req, None)
@@ -532,6 +568,7 @@ class _SchedulerSide:
                         try:
                             self.d.promoted(key, now)
                             self.d_promoted.add(key)
+                            self.d_first_pending.add(key)
                         except kvwire.ConnectorError:
                             pass
         self._run_actions(now)
@@ -549,8 +586,20 @@ class _SchedulerSide:
         self.out_recv, self.out_failed, self.out_sending, self.out_transfers = set(), {}, set(), []
         return meta
 
+    def _d_first_tokens(self, now, keys=None):
+        """Reports the first token of requests promoted in the step that just ran (vLLM calls
+        request_finished and update_connector_output after the step's tokens are appended)."""
+        for key in list(self.d_first_pending if keys is None else keys):
+            self.d_first_pending.discard(key)
+            try:
+                self.d.first_token(key, now)
+            except kvwire.ConnectorError:
+                pass
+
     def update_connector_output(self, out):
         now = _now()
+        if self.d is not None and self.d_first_pending:
+            self._d_first_tokens(now)
         for req in out.finished_recving or ():
             key = self.d_key.get(req)
             if key is None:
@@ -570,6 +619,8 @@ class _SchedulerSide:
         if key is not None and self.d is not None:
             if key in self.d_promoted:  # a normal end: the blocks are the request's
                 self.d_promoted.discard(key)
+                if key in self.d_first_pending:
+                    self._d_first_tokens(now, [key])
                 try:
                     self.d.abort(key, now)
                 except kvwire.ConnectorError:
@@ -624,6 +675,22 @@ class _SchedulerSide:
             return True, {"transfer_id": request.kv_transfer_params.get("transfer_id")}
         return False, None
 
+    def stats(self):
+        now = _now()
+        if self.stats_at is not None and now - self.stats_at < self.c._stats_interval_ns:
+            return None
+        self.stats_at = now
+        counters, hists, gauges = {}, {}, {}
+        for core, flatten in ((self.d, lambda: _stats.flatten_d(self.d.metrics(now))),
+                              (self.p, lambda: _stats.flatten_p(self.p.metrics()))):
+            if core is not None:
+                c, h, g = flatten()
+                counters.update(c)
+                hists.update(h)
+                gauges.update(g)
+        st = KvwireConnectorStats(data=self.deltas.delta(counters, hists, gauges))
+        return None if st.is_empty() else st
+
     def has_pending_work(self) -> bool:
         return bool(self.p_delayed or self.out_sending or self.out_transfers or self.p_transfers_pending)
 
@@ -648,6 +715,18 @@ class _WorkerSide:
         self.sending: set[str] = set()
         self.load_errors: set[int] = set()
         self.control = None
+        self.deltas = _stats.DeltaTracker(_stats.worker_source())
+        self.stats_at = None
+
+    def stats(self):
+        now = _now()
+        if self.stats_at is not None and now - self.stats_at < self.c._stats_interval_ns:
+            return KvwireConnectorStats() if compat.SCHEDULER_STATS_RIDE_ON_WORKER_STATS else None
+        self.stats_at = now
+        st = KvwireConnectorStats(data=self.deltas.delta(*_stats.flatten_engine(self.engine.metrics())))
+        if st.is_empty() and not compat.SCHEDULER_STATS_RIDE_ON_WORKER_STATS:
+            return None
+        return st
 
     def register_kv_caches(self, kv_caches):
         num_blocks = None
