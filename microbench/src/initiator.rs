@@ -72,7 +72,13 @@ pub struct RunConfig {
     pub lanes: Option<usize>,
     /// Largest slice in bytes (`None`: the engine's default).
     pub slice_size: Option<usize>,
+    /// Serve the engine's Prometheus metrics (`GET /metrics`) on this address while the run
+    /// lasts (port 0: a free port; the bound address is printed to stderr).
+    pub metrics_addr: Option<SocketAddr>,
 }
+
+/// What the bench prints to stderr before the URL of its metrics endpoint (`--metrics-addr`).
+pub const METRICS_PREFIX: &str = "kvwire-bench: metrics on ";
 
 /// A transport's name as the reports print it.
 pub fn transport_name(t: TransportKind) -> String {
@@ -90,9 +96,13 @@ pub fn run(cfg: &RunConfig) -> Result<Report, BenchError> {
         transport: cfg.transport,
         lanes: cfg.lanes.unwrap_or(defaults.lanes),
         slice_size: cfg.slice_size.unwrap_or(defaults.slice_size),
+        metrics_addr: cfg.metrics_addr,
         ..defaults
     })
     .ctx(|| format!("starting the initiator engine on {}", cfg.listen))?;
+    if let Some(a) = engine.metrics_addr() {
+        eprintln!("{METRICS_PREFIX}http://{a}/metrics");
+    }
     let peer = engine
         .connect(cfg.target)
         .ctx(|| format!("connecting to the target at {}", cfg.target))?;

@@ -95,6 +95,10 @@ pub struct LayerwiseArgs {
     /// Internal: region size of the target process.
     #[arg(long, hide = true, default_value_t = 0)]
     pub region_bytes: u64,
+    /// The initiator engine serves its Prometheus metrics here (`kvwire-bench --metrics-addr`;
+    /// bound once per transport measured, one after the other).
+    #[arg(skip)]
+    pub metrics_addr: Option<std::net::SocketAddr>,
 }
 
 fn eng<T>(r: Result<T, kvwire_transfer::Error>, what: &str) -> Result<T, BenchError> {
@@ -449,10 +453,17 @@ fn run_transport(
     let engine = eng(
         Engine::new(EngineConfig {
             transport: t,
+            metrics_addr: a.metrics_addr,
             ..EngineConfig::default()
         }),
         "starting the initiator engine",
     )?;
+    if let Some(m) = engine.metrics_addr() {
+        eprintln!(
+            "{}http://{m}/metrics",
+            kvwire_bench::initiator::METRICS_PREFIX
+        );
+    }
     let peer = eng(engine.connect(target.addr), "connecting to the target")?;
     let dst = peer
         .regions()

@@ -15,10 +15,15 @@ use kvwire_bench::{BenchError, Plan, RunConfig, ServeConfig, Target};
 use kvwire_transfer::TransportKind;
 
 mod layerwise;
+mod tax;
 
 #[derive(Parser)]
 #[command(name = "kvwire-bench", version, about = "kvwire microbenches")]
 struct Cli {
+    /// Serve the run's engine metrics (Prometheus text, `GET /metrics`) on ADDR while it runs:
+    /// the initiator engine of `transfer` and `layerwise` (port 0: a free port, printed).
+    #[arg(long, global = true, value_name = "ADDR")]
+    metrics_addr: Option<SocketAddr>,
     #[command(subcommand)]
     cmd: Cmd,
 }
@@ -41,6 +46,10 @@ enum Cmd {
     /// The loopback A/B report: transfer, layerwise, clock and calibrate in one run, into
     /// report.md with the JSON, PNG, timeline and cost.json files.
     Report(kvwire_bench::suite::ReportArgs),
+    /// The always-on kv_both tax with no transfer pending: connector core per-step cost, idle
+    /// engine CPU, and in vLLM (when a venv is found) the scheduler and worker sides per
+    /// connector, each figure next to its baseline.
+    Tax(tax::TaxArgs),
 }
 
 #[derive(Clone, Copy, ValueEnum)]
@@ -134,13 +143,21 @@ fn main() -> ExitCode {
         .with_writer(std::io::stderr)
         .init();
     let cli = Cli::parse();
+    let metrics_addr = cli.metrics_addr;
     let result = match cli.cmd {
+        _ if metrics_addr.is_some() && !serves_metrics(&cli.cmd) => Err(BenchError::Plan(
+            "--metrics-addr is supported by `transfer` (initiator side) and `layerwise`".into(),
+        )),
         Cmd::Transfer(a) if a.serve => serve(&a),
-        Cmd::Transfer(a) => transfer(&a),
-        Cmd::Layerwise(a) => layerwise::run(a),
+        Cmd::Transfer(a) => transfer(&a, metrics_addr),
+        Cmd::Layerwise(mut a) => {
+            a.metrics_addr = metrics_addr;
+            layerwise::run(a)
+        }
         Cmd::Calibrate(a) => Ok(kvwire_bench::calibrate::run_cli(&a)),
         Cmd::Clock(a) => Ok(kvwire_bench::clock::cli_main(&a)),
         Cmd::Report(a) => Ok(kvwire_bench::suite::run(&a)),
+        Cmd::Tax(a) => Ok(tax::run(&a)),
     };
     match result {
         Ok(code) => code,
@@ -216,7 +233,16 @@ fn serve(a: &TransferArgs) -> Result<ExitCode, BenchError> {
     Ok(ExitCode::SUCCESS)
 }
 
-fn transfer(a: &TransferArgs) -> Result<ExitCode, BenchError> {
+/// Whether the subcommand's engine can serve `--metrics-addr`.
+fn serves_metrics(cmd: &Cmd) -> bool {
+    match cmd {
+        Cmd::Transfer(a) => !a.serve,
+        Cmd::Layerwise(a) => !a.serve_child,
+        _ => false,
+    }
+}
+
+fn transfer(a: &TransferArgs, metrics_addr: Option<SocketAddr>) -> Result<ExitCode, BenchError> {
     let plan = plan_of(a);
     plan.validate().map_err(BenchError::Plan)?;
     let transport: TransportKind = a.transport.into();
@@ -258,6 +284,7 @@ fn transfer(a: &TransferArgs) -> Result<ExitCode, BenchError> {
         progress: !a.no_progress,
         lanes: a.lanes,
         slice_size: a.slice_size.map(|s| s as usize),
+        metrics_addr,
     })?;
     print!("{}", report.table());
     if let Some(path) = &a.json {

@@ -21,7 +21,13 @@ fn report_writes_every_file_with_its_contents() {
     assert!(st.success(), "report exited with {st}");
 
     let md = std::fs::read_to_string(out.join("report.md")).expect("report.md");
-    for section in ["## transfer", "## layerwise", "## clock", "## calibrate"] {
+    for section in [
+        "## transfer",
+        "## layerwise",
+        "## clock",
+        "## calibrate",
+        "## kv_both tax",
+    ] {
         assert!(md.contains(section), "report.md lacks {section}");
     }
     assert!(!md.contains("FAILED"), "a step failed:\n{md}");
@@ -69,5 +75,24 @@ fn report_writes_every_file_with_its_contents() {
     assert_eq!(cost["schema"], "kvwire.cost/1");
     assert!(cost["terms"]["fixed_s"].is_number());
     assert!(cost["error"]["p50_rel"].is_number());
+    // The kv_both tax: the Rust parts always, the vLLM parts measured or SKIPPED (said so), the
+    // block pool read from clock.json (or "not measured" when the clock has no pool figures).
+    let tax = json(&out.join("tax.json"));
+    assert_eq!(tax["schema"], "kvwire.tax/1");
+    assert_eq!(tax["core"]["results"].as_array().map(Vec::len), Some(8));
+    assert!(tax["engine_idle"]["threads"].as_u64().unwrap_or(0) > 0);
+    for v in tax["vllm"].as_array().expect("tax vllm") {
+        assert!(v["status"] == "ok" || v["status"] == "SKIPPED", "{v}");
+    }
+    if tax["vllm"].as_array().is_some_and(Vec::is_empty) {
+        assert!(
+            md.contains("SKIPPED"),
+            "vLLM parts neither run nor SKIPPED:\n{md}"
+        );
+    }
+    let pool = &tax["pool"];
+    assert!(pool["status"] == "measured" || pool["status"] == "not measured");
+    assert!(md.contains("Block pool"), "{md}");
+    assert!(md.contains("Connector core, per step"), "{md}");
     let _ = std::fs::remove_dir_all(&out);
 }

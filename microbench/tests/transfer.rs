@@ -38,6 +38,7 @@ fn bench(
         progress: false,
         lanes: None,
         slice_size: None,
+        metrics_addr: None,
     })
 }
 

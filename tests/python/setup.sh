@@ -3,7 +3,8 @@
 #   * maturin and pytest for the build Python (pip --user-less, into the interpreter found first),
 #   * one venv per vLLM version under $KVWIRE_PY_CACHE (default ~/.cache/kvwire-py):
 #       vllm-0.33.0 (current) and vllm-0.18.1 (the users' version), from PyPI, CPU-usable
-#       (the default wheels pull CUDA torch; its CPU path works without a GPU), plus pytest,
+#       (the default wheels pull CUDA torch; its CPU path works without a GPU), plus pytest and
+#       Mooncake's CPU transfer engine (pinned; for vLLM's MooncakeConnector in kvwire-bench tax),
 #   * the kvwire wheel (maturin build --release) installed into every venv.
 #
 # A venv whose install succeeded carries a marker file and is never reinstalled; a failed or
@@ -81,6 +82,24 @@ else
   done
   for p in "${pids[@]}"; do
     wait "$p"
+  done
+fi
+
+# 2b. Mooncake's transfer engine (CPU build, pinned) in every vLLM venv: vLLM's own
+#     MooncakeConnector imports it, and `kvwire-bench tax` measures that connector next to ours.
+#     Idempotent: skipped when the pinned version is already there.
+MOONCAKE_PIN=${KVWIRE_MOONCAKE_PIN:-mooncake-transfer-engine-non-cuda==0.3.13.post1}
+if [ "${KVWIRE_SKIP_VLLM:-0}" != 1 ]; then
+  for d in "${venvs[@]}"; do
+    have=$("$d/bin/python" -m pip show mooncake-transfer-engine-non-cuda 2>/dev/null | sed -n 's/^Version: //p')
+    if [ "mooncake-transfer-engine-non-cuda==$have" = "$MOONCAKE_PIN" ]; then
+      log "$(basename "$d"): $MOONCAKE_PIN present"
+    else
+      log "$(basename "$d"): pip install $MOONCAKE_PIN"
+      "$d/bin/python" -m pip install -q "$MOONCAKE_PIN"
+    fi
+    "$d/bin/python" -c "from mooncake.engine import TransferEngine" 2>/dev/null \
+      || { log "$(basename "$d"): mooncake.engine does not import"; exit 1; }
   done
 fi
 
