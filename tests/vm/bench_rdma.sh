@@ -15,7 +15,9 @@
 #   2. `kvwire-bench transfer --serve --transport rdma` on rxe0 (KVWIRE_RDMA_DEVICE=rxe0; the
 #      control connection on 127.0.0.1) and the initiator on rxe1, short plan
 #      (--quick --sizes 64K,1M): every byte checked by the target and read back;
-#   3. one table: kvwire serial / ib_write_bw -t 1 and kvwire batch-8 / ib_write_bw -t 8.
+#   3. one table: kvwire serial / ib_write_bw -t 1 and kvwire batch-8 / ib_write_bw -t 8, for
+#      each kvwire completion-path configuration (KVWIRE_BENCH_CONFIGS, "label:VAR=v,VAR=v ...";
+#      default: default, signal16, poll200), all measured in this one boot.
 # Knobs: KVWIRE_BW_ITERS_64K (default 500), KVWIRE_BW_ITERS_1M (default 32),
 #   KVWIRE_BENCH_MAX_SECS (per size and phase, default 10).
 # Exit status: 0 when both benches ran and kvwire verified every byte; 1 otherwise.
@@ -76,62 +78,86 @@ for size in 65536 1048576; do
   done
 done
 
-echo "== kvwire-bench transfer --transport rdma: serve on $DEV0, initiator on $DEV1"
-KVWIRE_RDMA_DEVICE=$DEV0 timeout 600 "$BIN" transfer --serve --transport rdma --listen 127.0.0.1:7300 \
-  --region-size 8M --serve-secs 590 > "$OUT/serve.out" 2> "$OUT/serve.err" &
-serve=$!
-addr=""
-for _ in $(seq 1 600); do
-  addr=$(sed -n 's/^KVWIRE_BENCH_READY //p' "$OUT/serve.out" 2>/dev/null | head -n 1)
-  [ -n "$addr" ] && break
-  kill -0 $serve 2>/dev/null || break
-  sleep 0.1
-done
-if [ -z "$addr" ]; then
-  echo "the kvwire-bench target did not start:"; cat "$OUT/serve.out" "$OUT/serve.err"
+# kvwire configurations, all in this one boot: "default" is what the engine does unless told
+# otherwise (every WR signalled, the completion thread sleeps on the channel after a 16-poll
+# burst); "signal16" signals one WR in 16 and the last of each chain (experimental);
+# "poll200" adds a 200 µs completion-thread poll window. Configurations run in this order, so
+# compare them across several boots before trusting a difference (a serial write of one slice
+# is one signalled WR in every configuration: its spread across them is the noise).
+CONFIGS=${KVWIRE_BENCH_CONFIGS:-"default: signal16:KVWIRE_RDMA_SIGNAL_EVERY=16 poll200:KVWIRE_RDMA_POLL_US=200"}
+port=7300
+labels=()
+for cfg in $CONFIGS; do
+  label=${cfg%%:*}
+  envs=${cfg#*:}
+  port=$((port + 1))
+  # the knobs go to both sides (each side's completion threads)
+  envargs=(); [ -n "$envs" ] && IFS=, read -r -a envargs <<< "$envs"
+  echo "== kvwire-bench transfer --transport rdma [$label: ${envs:-defaults}]: serve on $DEV0, initiator on $DEV1"
+  env "${envargs[@]}" KVWIRE_RDMA_DEVICE=$DEV0 timeout 600 "$BIN" transfer --serve --transport rdma --listen 127.0.0.1:$port \
+    --region-size 8M --serve-secs 590 > "$OUT/serve.$label.out" 2> "$OUT/serve.$label.err" &
+  serve=$!
+  addr=""
+  for _ in $(seq 1 600); do
+    addr=$(sed -n 's/^KVWIRE_BENCH_READY //p' "$OUT/serve.$label.out" 2>/dev/null | head -n 1)
+    [ -n "$addr" ] && break
+    kill -0 $serve 2>/dev/null || break
+    sleep 0.1
+  done
+  if [ -z "$addr" ]; then
+    echo "the kvwire-bench target did not start:"; cat "$OUT/serve.$label.out" "$OUT/serve.$label.err"
+    kill $serve 2>/dev/null
+    rc=1
+    continue
+  fi
+  t0=$(date +%s.%N)
+  env "${envargs[@]}" KVWIRE_RDMA_DEVICE=$DEV1 timeout 600 "$BIN" transfer --transport rdma --target "$addr" --quick \
+    --sizes 64K,1M --max-secs "$MAX_SECS" --no-progress --json "$OUT/kvwire_rdma.$label.json"
+  brc=$?
+  echo "kvwire-bench [$label] exit $brc in $(awk "BEGIN{printf \"%.1f\", $(date +%s.%N) - $t0}") s"
   kill $serve 2>/dev/null
-  exit 1
-fi
-t0=$(date +%s.%N)
-KVWIRE_RDMA_DEVICE=$DEV1 timeout 600 "$BIN" transfer --transport rdma --target "$addr" --quick \
-  --sizes 64K,1M --max-secs "$MAX_SECS" --no-progress --json "$OUT/kvwire_rdma.json"
-brc=$?
-echo "kvwire-bench exit $brc in $(awk "BEGIN{printf \"%.1f\", $(date +%s.%N) - $t0}") s"
-kill $serve 2>/dev/null
-wait $serve 2>/dev/null
-if [ $brc -ne 0 ]; then
-  echo "== target log"; tail -n 30 "$OUT/serve.err"
-  rc=1
-fi
+  wait $serve 2>/dev/null
+  if [ $brc -ne 0 ]; then
+    echo "== target log [$label]"; tail -n 30 "$OUT/serve.$label.err"
+    rc=1
+  fi
+  labels+=("$label")
+done
 
 echo "== comparison (same VM run; GB/s = 1e9 B/s)"
-python3 - "$OUT" <<'EOF' || rc=1
+python3 - "$OUT" "${labels[@]}" <<'EOF' || rc=1
 import json, os, sys
-out = sys.argv[1]
-try:
-    d = json.load(open(os.path.join(out, "kvwire_rdma.json")))
-except (OSError, ValueError) as e:
-    print(f"no kvwire result: {e}")
-    sys.exit(1)
+out, labels = sys.argv[1], sys.argv[2:]
 def pt(size, depth):
     try:
         return float(open(os.path.join(out, f"pt.{size}.{depth}")).read())
     except (OSError, ValueError):
         return None
-rows = {(r["pattern"], r["size"]): r for r in d["results"]}
-print(f"kvwire transport={d['transport']} verified={d['verified']} "
-      f"(target checked {d['check']['verified_bytes']} bytes, {d['check']['mismatches']} mismatches; "
-      f"{d['check']['read_bytes_checked']} bytes read back, {d['check']['read_mismatches']} read mismatches)")
-print("| size | kvwire serial p50 us | kvwire serial GB/s | ib_write_bw -t 1 GB/s | ratio | kvwire batch-8 GB/s | ib_write_bw -t 8 GB/s | ratio |")
-print("|---|---|---|---|---|---|---|---|")
-for size in (65536, 1048576):
-    s, b = rows.get(("serial", size)), rows.get(("batch", size))
-    p1, p8 = pt(size, 1), pt(size, 8)
-    r1 = f"{s['gbps'] / p1:.2f}" if s and p1 else "n/a"
-    r8 = f"{b['gbps'] / p8:.2f}" if b and p8 else "n/a"
-    f = lambda x, n=4: "n/a" if x is None else f"{x:.{n}f}"
-    print(f"| {size // 1024} KiB | {f(s and s['p50_us'], 1)} | {f(s and s['gbps'])} | {f(p1)} | {r1} "
-          f"| {f(b and b['gbps'])} | {f(p8)} | {r8} |")
-sys.exit(0 if d["verified"] and d["transport"] == "rdma" else 1)
+ok = bool(labels)
+print("| config | size | kvwire serial p50 us | kvwire serial GB/s | ib_write_bw -t 1 GB/s | ratio | kvwire batch-8 GB/s | ib_write_bw -t 8 GB/s | ratio |")
+print("|---|---|---|---|---|---|---|---|---|")
+notes = []
+for label in labels:
+    try:
+        d = json.load(open(os.path.join(out, f"kvwire_rdma.{label}.json")))
+    except (OSError, ValueError) as e:
+        notes.append(f"[{label}] no kvwire result: {e}")
+        ok = False
+        continue
+    notes.append(f"[{label}] kvwire transport={d['transport']} verified={d['verified']} "
+          f"(target checked {d['check']['verified_bytes']} bytes, {d['check']['mismatches']} mismatches; "
+          f"{d['check']['read_bytes_checked']} bytes read back, {d['check']['read_mismatches']} read mismatches)")
+    ok &= bool(d["verified"]) and d["transport"] == "rdma"
+    rows = {(r["pattern"], r["size"]): r for r in d["results"]}
+    for size in (65536, 1048576):
+        s, b = rows.get(("serial", size)), rows.get(("batch", size))
+        p1, p8 = pt(size, 1), pt(size, 8)
+        r1 = f"{s['gbps'] / p1:.2f}" if s and p1 else "n/a"
+        r8 = f"{b['gbps'] / p8:.2f}" if b and p8 else "n/a"
+        f = lambda x, n=4: "n/a" if x is None else f"{x:.{n}f}"
+        print(f"| {label} | {size // 1024} KiB | {f(s and s['p50_us'], 1)} | {f(s and s['gbps'])} | {f(p1)} | {r1} "
+              f"| {f(b and b['gbps'])} | {f(p8)} | {r8} |")
+print("\n".join(notes))
+sys.exit(0 if ok else 1)
 EOF
 exit $rc

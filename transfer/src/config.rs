@@ -35,10 +35,17 @@ pub struct EngineConfig {
     pub default_deadline: Duration,
     /// Deadline for connecting and the handshake.
     pub connect_timeout: Duration,
-    /// RDMA device to use (e.g. `mlx5_0`, `rxe0`); `None` = `$KVWIRE_RDMA_DEVICE`, else the
-    /// first device with an active port. RDMA is offered only when libibverbs loads
-    /// (`$KVWIRE_IBVERBS_PATH` overrides its path) and a device is usable.
+    /// RDMA device to use (e.g. `mlx5_0`, `rxe0`; a comma list names several). Ignored when
+    /// [`EngineConfig::rdma_devices`] is not empty; `None` = `$KVWIRE_RDMA_DEVICE` (also a
+    /// comma list), else every device with an active port. RDMA is offered only when
+    /// libibverbs loads (`$KVWIRE_IBVERBS_PATH` overrides its path) and a device is usable; a
+    /// named device that cannot be opened makes `Engine::new` fail.
     pub rdma_device: Option<String>,
+    /// RDMA devices to use, in order (slices are striped over queue pairs on all of them);
+    /// empty = [`EngineConfig::rdma_device`], `$KVWIRE_RDMA_DEVICE`, else every device with an
+    /// active port. On multi-NIC nodes name the NICs close to the memory being transferred
+    /// (see `docs/rdma_hardware_plan.md`).
+    pub rdma_devices: Vec<String>,
     /// Record engine metrics ([`crate::Engine::metrics`]); `false` skips every per-batch
     /// counter update (the snapshot then shows zeros for batch counters).
     pub metrics: bool,
@@ -58,6 +65,7 @@ impl Default for EngineConfig {
             default_deadline: Duration::from_secs(10),
             connect_timeout: Duration::from_secs(5),
             rdma_device: None,
+            rdma_devices: Vec::new(),
             metrics: true,
             metrics_addr: None,
         }

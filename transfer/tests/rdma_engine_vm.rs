@@ -48,19 +48,25 @@ fn check_eq(what: &str, got: &[u8], want: &[u8]) {
 }
 
 fn engine(dev: &str, kind: TransportKind, lanes: usize) -> Engine {
-    engine_sliced(dev, kind, lanes, 64 << 10)
+    engine_sliced(&[dev], kind, lanes, 64 << 10)
 }
 
-fn engine_sliced(dev: &str, kind: TransportKind, lanes: usize, slice_size: usize) -> Engine {
+/// One device: the single-device setting (`rdma_device`); several: `rdma_devices`.
+fn engine_sliced(devs: &[&str], kind: TransportKind, lanes: usize, slice_size: usize) -> Engine {
+    let (rdma_device, rdma_devices) = match devs {
+        [one] => (Some(one.to_string()), Vec::new()),
+        many => (None, many.iter().map(|d| d.to_string()).collect()),
+    };
     Engine::new(EngineConfig {
         transport: kind,
         lanes,
         slice_size,
-        rdma_device: Some(dev.to_string()),
+        rdma_device,
+        rdma_devices,
         default_deadline: Duration::from_secs(60),
         ..Default::default()
     })
-    .unwrap_or_else(|e| panic!("engine on {dev}: {e}"))
+    .unwrap_or_else(|e| panic!("engine on {devs:?}: {e}"))
 }
 
 fn read_back(e: &Engine, r: RegionHandle, off: u64, len: usize) -> Vec<u8> {
@@ -79,11 +85,11 @@ struct Pair {
 
 const REGION: usize = 16 << 20;
 
-fn pair(dev_t: &str, dev_i: &str, kind: TransportKind) -> Pair {
+fn pair(dev_t: &[&str], dev_i: &[&str], kind: TransportKind) -> Pair {
     pair_sliced(dev_t, dev_i, kind, 64 << 10)
 }
 
-fn pair_sliced(dev_t: &str, dev_i: &str, kind: TransportKind, slice: usize) -> Pair {
+fn pair_sliced(dev_t: &[&str], dev_i: &[&str], kind: TransportKind, slice: usize) -> Pair {
     let target = engine_sliced(dev_t, kind, 4, slice);
     let dst = target
         .alloc_region(REGION, Access::ReadWrite)
@@ -174,9 +180,13 @@ fn sg_writes_with_notifications(p: &Pair) {
             .write(&p.peer, &ops, Some(&tag), None)
             .expect("submit");
         // Notification first (as a decode engine would see it), then the bytes must be there.
-        let n = notes
-            .recv_timeout(Duration::from_secs(60))
-            .expect("notification");
+        let n = match notes.recv_timeout(Duration::from_secs(60)) {
+            Ok(n) => n,
+            Err(e) => panic!(
+                "round {round}: no notification ({e}); batch: {:?}",
+                b.poll()
+            ),
+        };
         assert_eq!(n.tag, tag, "notifications in order");
         for (ro, data) in &expect {
             check_eq(
@@ -369,7 +379,7 @@ fn read_deadline(p: &Pair) {
 
 /// Four threads submitting at once, 4 KiB slices: more work requests than the queue pairs hold
 /// (the lanes' backlogs are drained by the completion thread); every byte verified.
-fn concurrent_submitters(dev_t: &str, dev_i: &str) {
+fn concurrent_submitters(dev_t: &[&str], dev_i: &[&str]) {
     let p = pair_sliced(dev_t, dev_i, TransportKind::Rdma, 4096);
     let chunk = 2usize << 20; // per thread: its own 2 MiB window on both sides
     std::thread::scope(|s| {
@@ -411,7 +421,7 @@ fn concurrent_submitters(dev_t: &str, dev_i: &str) {
 }
 
 /// The target engine shuts down: the initiator's next batch fails with `PeerDead`.
-fn dead_peer(dev_t: &str, dev_i: &str) {
+fn dead_peer(dev_t: &[&str], dev_i: &[&str]) {
     let p = pair(dev_t, dev_i, TransportKind::Rdma);
     p.target.shutdown();
     let op = Op {
@@ -431,15 +441,15 @@ fn dead_peer(dev_t: &str, dev_i: &str) {
     }
 }
 
-fn spread_over_queue_pairs(p: &Pair) {
+fn spread_over_queue_pairs(p: &Pair, lanes: usize) {
     let c = p.peer.lane_counters();
     println!("work requests per queue pair: {c:?}");
-    assert_eq!(c.len(), 4, "4 lanes configured");
+    assert_eq!(c.len(), lanes, "{lanes} lanes expected");
     let total: u64 = c.iter().sum();
     assert!(total > 100, "work requests were posted");
     for (i, n) in c.iter().enumerate() {
         assert!(
-            *n * 8 >= total,
+            *n * 2 * lanes as u64 >= total,
             "lane {i} carried {n} of {total} work requests: traffic not spread"
         );
     }
@@ -573,7 +583,7 @@ fn bad_regions(p: &Pair) {
     );
 }
 
-fn throughput(kind: TransportKind, dev_t: &str, dev_i: &str) -> f64 {
+fn throughput(kind: TransportKind, dev_t: &[&str], dev_i: &[&str]) -> f64 {
     let p = pair(dev_t, dev_i, kind);
     let data = pattern(5, 8 << 20);
     p.init.local_write(p.src, 0, &data).expect("fill");
@@ -598,32 +608,134 @@ fn throughput(kind: TransportKind, dev_t: &str, dev_i: &str) -> f64 {
     (iters * data.len()) as f64 / secs / 1e6
 }
 
-fn in_guest() {
-    let d0 = std::env::var("KVWIRE_RXE_DEV0").unwrap_or_else(|_| "rxe0".into());
-    let d1 = std::env::var("KVWIRE_RXE_DEV1").unwrap_or_else(|_| "rxe1".into());
-    let p = pair(&d0, &d1, TransportKind::Rdma);
+/// A NIC counter of the rxe device (`/sys/class/infiniband/<dev>/ports/1/hw_counters`).
+fn hw_counter(dev: &str, name: &str) -> Option<u64> {
+    std::fs::read_to_string(format!(
+        "/sys/class/infiniband/{dev}/ports/1/hw_counters/{name}"
+    ))
+    .ok()?
+    .trim()
+    .parse()
+    .ok()
+}
+
+/// Two engines with both devices each, listed in opposite orders, so the rails pair the
+/// target's rxe0 with the initiator's rxe1 and the target's rxe1 with the initiator's rxe0: every
+/// byte crosses the veth pair, in both directions. The whole data-path suite runs again (every
+/// byte verified, notifications checked against memory when they arrive), then: traffic spread
+/// over both devices (the engine's per-device counters and the NICs' own packet counters) and
+/// over all 8 queue pairs; the error paths (bad rkey / withdrawn region, read deadline, dead
+/// peer) with queue pairs on both devices; and the default (no device named: every active
+/// device, same order on both sides).
+fn multi_device(d0: &str, d1: &str) {
+    let sent_before = [hw_counter(d0, "sent_pkts"), hw_counter(d1, "sent_pkts")];
+    let p = pair(&[d0, d1], &[d1, d0], TransportKind::Rdma);
     assert_eq!(p.peer.transport(), TransportKind::Rdma);
     writes_of_many_sizes(&p);
     sg_writes_with_notifications(&p);
     reads_of_many_sizes(&p);
-    spread_over_queue_pairs(&p);
+    spread_over_queue_pairs(&p, 8);
+    let dc = p.peer.device_counters();
+    println!("work requests per device: {dc:?}");
+    assert_eq!(
+        dc.iter().map(|(n, _)| n.as_str()).collect::<Vec<_>>(),
+        vec![d1, d0],
+        "the initiator's devices, in its order"
+    );
+    let total: u64 = dc.iter().map(|(_, n)| n).sum();
+    for (name, n) in &dc {
+        assert!(
+            n * 4 >= total,
+            "device {name} carried {n} of {total} work requests: traffic not spread"
+        );
+    }
+    let sent_after = [hw_counter(d0, "sent_pkts"), hw_counter(d1, "sent_pkts")];
+    for (i, dev) in [d0, d1].iter().enumerate() {
+        match (sent_before[i], sent_after[i]) {
+            (Some(a), Some(b)) => {
+                println!("{dev}: {} packets sent (NIC counter)", b - a);
+                assert!(b - a > 1000, "{dev} sent only {} packets", b - a);
+            }
+            _ => eprintln!("note: {dev} has no hw_counters/sent_pkts; NIC-side check skipped"),
+        }
+    }
     bad_regions(&p);
     read_deadline(&p);
+    let dc = p.peer.device_counters();
+    assert!(dc.iter().all(|(_, n)| *n > 0), "both devices used: {dc:?}");
+    drop(p);
+    concurrent_submitters(&[d0, d1], &[d1, d0]);
+    dead_peer(&[d0, d1], &[d1, d0]);
+    // Default: no device named, every active device (both sides list rxe0, rxe1; the pairs are
+    // rxe0-rxe0 and rxe1-rxe1, loopback inside each device).
+    {
+        std::env::remove_var("KVWIRE_RDMA_DEVICE");
+        let cfg = EngineConfig {
+            transport: TransportKind::Rdma,
+            default_deadline: Duration::from_secs(60),
+            ..Default::default()
+        };
+        let t = Engine::new(cfg.clone()).expect("default target engine");
+        let i = Engine::new(cfg).expect("default initiator engine");
+        let dst = t.alloc_region(4 << 20, Access::WriteOnly).expect("dst");
+        let src = i.alloc_region(4 << 20, Access::Local).expect("src");
+        let peer = i.connect(t.listen_addr()).expect("connect");
+        let notes = t.notifications();
+        for round in 0..4u64 {
+            let data = pattern(600 + round, (3 << 20) + 17);
+            i.local_write(src, 0, &data).expect("fill");
+            let op = Op {
+                local: src,
+                local_offset: 0,
+                remote: t.region_id(dst),
+                remote_offset: 5,
+                len: data.len() as u64,
+            };
+            let b = i.write(&peer, &[op], Some(b"dflt"), None).expect("submit");
+            let n = notes
+                .recv_timeout(Duration::from_secs(60))
+                .expect("notification");
+            assert_eq!(n.tag, b"dflt");
+            check_eq("default devices", &read_back(&t, dst, 5, data.len()), &data);
+            b.wait().expect("default-device write");
+        }
+        let dc = peer.device_counters();
+        println!("default devices: work requests per device {dc:?}");
+        assert_eq!(dc.len(), 2, "both active devices opened by default");
+        assert!(dc.iter().all(|(_, n)| *n > 0), "both devices used: {dc:?}");
+    }
+    println!("MULTI-DEVICE-OK");
+}
+
+fn in_guest() {
+    let d0 = std::env::var("KVWIRE_RXE_DEV0").unwrap_or_else(|_| "rxe0".into());
+    let d1 = std::env::var("KVWIRE_RXE_DEV1").unwrap_or_else(|_| "rxe1".into());
+    let (d0, d1) = (d0.as_str(), d1.as_str());
+    let p = pair(&[d0], &[d1], TransportKind::Rdma);
+    assert_eq!(p.peer.transport(), TransportKind::Rdma);
+    writes_of_many_sizes(&p);
+    sg_writes_with_notifications(&p);
+    reads_of_many_sizes(&p);
+    spread_over_queue_pairs(&p, 4);
+    assert_eq!(p.peer.device_counters().len(), 1, "one device configured");
+    bad_regions(&p);
+    read_deadline(&p);
+    drop(p);
+    multi_device(d0, d1);
     // Auto between two engines of one host picks shm unless told otherwise.
     {
-        let a = engine(&d0, TransportKind::Auto, 2);
-        let b = engine(&d1, TransportKind::Auto, 2);
+        let a = engine(d0, TransportKind::Auto, 2);
+        let b = engine(d1, TransportKind::Auto, 2);
         let peer = b.connect(a.listen_addr()).expect("auto connect");
         assert_eq!(peer.transport(), TransportKind::Shm);
     }
-    drop(p);
-    concurrent_submitters(&d0, &d1);
-    dead_peer(&d0, &d1);
+    concurrent_submitters(&[d0], &[d1]);
+    dead_peer(&[d0], &[d1]);
     // ... and RDMA with KVWIRE_PREFER_RDMA=1 (set while no other engine runs).
     {
         std::env::set_var("KVWIRE_PREFER_RDMA", "1");
-        let a = engine(&d0, TransportKind::Auto, 2);
-        let b = engine(&d1, TransportKind::Auto, 2);
+        let a = engine(d0, TransportKind::Auto, 2);
+        let b = engine(d1, TransportKind::Auto, 2);
         let dst = a.alloc_region(1 << 20, Access::WriteOnly).expect("dst");
         let src = b.alloc_region(1 << 20, Access::Local).expect("src");
         let peer = b.connect(a.listen_addr()).expect("auto connect");
@@ -645,8 +757,8 @@ fn in_guest() {
         check_eq("auto rdma", &read_back(&a, dst, 7, data.len()), &data);
         println!("Auto picks shm on one host, rdma with KVWIRE_PREFER_RDMA=1");
     }
-    let rdma = throughput(TransportKind::Rdma, &d0, &d1);
-    let tcp = throughput(TransportKind::Tcp, &d0, &d1);
+    let rdma = throughput(TransportKind::Rdma, &[d0], &[d1]);
+    let tcp = throughput(TransportKind::Tcp, &[d0], &[d1]);
     println!(
         "throughput, 16 x 8 MiB writes, one batch at a time (TCG guest): rdma {rdma:.1} MB/s, \
          tcp {tcp:.1} MB/s, ratio {:.2}",

@@ -1,32 +1,52 @@
-//! RDMA transport: RC queue pairs over one verbs device per engine, one-sided WRITE and READ.
+//! RDMA transport: RC queue pairs over one or several verbs devices per engine, one-sided WRITE
+//! and READ.
 //!
-//! * **Device**: the engine opens one device ([`crate::EngineConfig::rdma_device`], else
-//!   `$KVWIRE_RDMA_DEVICE`, else the first device with an active port), allocates one PD and
-//!   one CQ (with its completion channel) and starts one completion thread that sleeps on the
-//!   channel when idle (a short bounded poll burst first, inside `Cq::wait`).
-//! * **Regions**: every region is registered as an MR of that PD when it is added (local ones
-//!   with local write only; offered ones with the remote rights their `Access` grants), so the
-//!   NIC enforces the region's bounds and rights; the rkey and address travel in the region
-//!   announcements (`WireRegion::rkey`, `WireRegion::addr`). The MR holds the region memory
-//!   alive; an in-flight work request holds its MR alive.
-//! * **Queue pairs**: the handshake blob is made per handshake: `cfg.lanes` fresh RC QPs are
-//!   created and their endpoints sent, keyed by a random nonce; [`RdmaTransport::establish`]
-//!   takes them back by the nonce found in our own blob and connects lane *i* to the peer's
-//!   lane *i*. Unclaimed QPs expire. Both sides connect their QPs whenever both offered RDMA,
-//!   whatever each chose for its own direction (the other may write into us).
+//! * **Devices**: the engine opens every device it is given ([`crate::EngineConfig::rdma_devices`],
+//!   else [`crate::EngineConfig::rdma_device`], else `$KVWIRE_RDMA_DEVICE`; the last two may be
+//!   comma lists) or, when none is named, every device with an active port (in natural name
+//!   order: `mlx5_2` before `mlx5_10`). Each device gets one PD, one CQ with its completion
+//!   channel and one completion thread that sleeps on the channel when idle (a short bounded
+//!   poll burst first, inside `Cq::wait`). See `docs/rdma_hardware_plan.md` for why "all active
+//!   devices" is the default and when to name devices instead (NUMA/PCIe locality).
+//! * **Regions**: every region is registered as an MR on every device when it is added (local
+//!   ones with local write only; offered ones with the remote rights their `Access` grants), so
+//!   the NIC enforces the region's bounds and rights. The rkey on the first device and the
+//!   address travel in the region announcements (`WireRegion::rkey`, `WireRegion::addr`); the
+//!   rkeys on the other devices are fetched by the initiator over the control connection the
+//!   first time it writes to or reads from the region (`MSG_KEYS_REQ`/`MSG_KEYS`); until they
+//!   arrive, that region's slices use the queue pairs that reach the remote's first device. The
+//!   MR holds the region memory alive; an in-flight work request holds its MR alive.
+//! * **Device pairs**: the handshake blob lists our devices (port, GID index, MTU, link class)
+//!   and `lanes` fresh RC QPs per device, keyed by a random nonce. Both sides compute the same
+//!   pairing of local and remote devices (the side with the smaller nonce's device order
+//!   decides; device *i* is matched with the first unmatched remote device of the same link
+//!   class, starting at index *i*, so equally ordered rails pair rail to rail), and connect
+//!   lane *i* of each pair to the peer's lane *i* of the same pair. Lanes are numbered
+//!   interleaved over the pairs (lane 0 on pair 0, lane 1 on pair 1, …) so that round-robin
+//!   striping alternates devices. Unclaimed QPs expire. Both sides connect their QPs whenever
+//!   both offered RDMA, whatever each chose for its own direction (the other may write into us).
 //! * **Posting**: each coalesced transfer is cut into slices of at most `cfg.slice_size`,
-//!   striped round-robin over the healthy lanes; each lane posts its WRs as one chain, at most
-//!   the QP's send depth outstanding (the rest waits in the lane's backlog, posted by the
-//!   completion thread as slots free). Every WR is signalled.
-//! * **Completion**: the batch completes when every WR completed; a notification is then sent
-//!   over the control connection (so it always follows the data), then the batch completes.
+//!   striped round-robin over the healthy lanes (of every device pair) whose remote device key
+//!   is known; each lane posts its WRs as one chain, at most the QP's send depth outstanding
+//!   (the rest waits in the lane's backlog, posted by the completion thread as slots free).
+//!   One WR in `$KVWIRE_RDMA_SIGNAL_EVERY` (default 1: all; larger values are experimental)
+//!   and the last of every chain are signalled; a signalled WR's completion also completes the unsignalled WRs before it on
+//!   its QP (RC completes in order; failed and flushed WRs always report).
+//! * **Completion threads**: one per device; after a round that reaped completions, while WRs
+//!   are on the NIC, the CQ is polled for up to `$KVWIRE_RDMA_POLL_US` (default 0: off) before
+//!   the thread arms it and sleeps on the completion channel (never polled while idle).
+//! * **Completion**: when every WR of a batch completed, its notification (if any) is sent over
+//!   the control connection (so it always follows the data) with the engine's fence, and the
+//!   batch completes when the target confirms it queued the notification; without one, at once.
 //! * **Errors**: a failed WR breaks its lane (the QP is moved to the error state, so its other
-//!   WRs flush); flushed WRs of other batches are re-posted on a healthy lane (bounded retries);
-//!   the failing batch gets a typed error (`AccessDenied` for a remote access/bounds violation
-//!   found by the NIC, `PeerDead` for a retry exhaustion). When every lane is broken the peer is
-//!   declared dead (the engine fails its in-flight batches; reconnect to recover).
+//!   WRs flush); flushed WRs of other batches are re-posted on a healthy lane, possibly of
+//!   another device pair (bounded retries); the failing batch gets a typed error
+//!   (`AccessDenied` for a remote access/bounds violation found by the NIC). A WR the peer did
+//!   not answer (transport retries exhausted) is retried on another lane like a flushed one;
+//!   when its retries run out the batch fails with `PeerDead`. When every lane is broken the
+//!   peer is declared dead (the engine fails its in-flight batches; reconnect to recover).
 
-use std::collections::{HashMap, VecDeque};
+use std::collections::{HashMap, HashSet, VecDeque};
 use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Weak};
 use std::time::{Duration, Instant};
@@ -42,12 +62,12 @@ use crate::error::Error;
 use crate::mem::RegionMem;
 use crate::region::{RegionEntry, RegionId};
 use crate::verbs::{
-    self, ConnectParams, Context, Cq, Endpoint, GidSelection, Mr, Mtu, Pd, Qp, QpCaps, RemoteSlice,
-    SendOp, SendRequest, Sge, Verbs, VerbsError, WcStatus,
+    self, ConnectParams, Context, Cq, Endpoint, GidSelection, LinkLayer, Mr, Mtu, Pd, Qp, QpCaps,
+    RemoteSlice, SendOp, SendRequest, Sge, Verbs, VerbsError, WcStatus,
 };
 use crate::wire::{CtrlMsg, HostIdentity, TRANSPORT_RDMA};
 
-/// Environment variable naming the RDMA device when the config does not.
+/// Environment variable naming the RDMA device(s) when the config does not (comma list).
 pub(crate) const DEVICE_ENV: &str = "KVWIRE_RDMA_DEVICE";
 /// Unclaimed pre-created QP sets live this long beyond the connect timeout.
 const PRE_EXPIRY_SLACK: Duration = Duration::from_secs(5);
@@ -57,19 +77,59 @@ const MAX_PRE: usize = 128;
 const MAX_RETRIES: u8 = 3;
 /// Send queue depth per QP.
 const QP_DEPTH: u32 = 256;
-/// Completion queue entries (shared by every QP of the device, capped by the device's limit).
-/// Every WR is signalled, so at most `CQ entries / QP_DEPTH` QPs exist at once (counting QPs
-/// prepared for handshakes); beyond that a handshake does not offer rdma.
+/// Completion queue entries per device (shared by every QP of the device, capped by the
+/// device's limit). Sized as if every WR were signalled: at most `CQ entries / QP_DEPTH` QPs exist at once
+/// on a device (counting QPs prepared for handshakes); beyond that a handshake does not offer
+/// rdma.
 const CQ_ENTRIES: u32 = 65536;
-const BLOB_HEAD: usize = 16 + 4;
+/// At most this many devices per engine.
+const MAX_DEVICES: usize = 16;
+/// At most this many lanes (QPs) per peer over all device pairs (the per-batch lane mask is a
+/// `u64`; reconnection messages name a lane in one byte).
+const MAX_LANES: usize = 64;
+/// Blob: nonce(16) + device count(1).
+const BLOB_HEAD: usize = 16 + 1;
+/// Per device in the blob: port, GID index, MTU code, link class, QP count.
+const BLOB_DEV_HEAD: usize = 5;
+/// Remote key entries kept per peer (beyond: the table is cleared and refilled on demand).
+const MAX_KEYS: usize = 1 << 16;
+/// Environment variable: signal one WR in this many of a chain (the last one of every chain is
+/// always signalled); 1 = every WR (the default). Experimental: with 16, one in-VM run of the
+/// multi-device suite saw a READ batch complete with one 64 KiB slice not landed (not
+/// understood yet; see docs/rdma_hardware_plan.md), so it stays off by default.
+pub(crate) const SIGNAL_ENV: &str = "KVWIRE_RDMA_SIGNAL_EVERY";
+const SIGNAL_EVERY: usize = 1;
+/// Environment variable: how long (µs) a completion thread keeps polling its CQ after a
+/// completion while WRs are still on the NIC, before it arms the CQ and sleeps; 0 = never
+/// (the default: in the SoftRoCE VM a 200 µs window halved serial 64 KiB throughput, the
+/// spinning thread taking a vCPU from the emulated NIC; to be measured on real NICs).
+pub(crate) const POLL_ENV: &str = "KVWIRE_RDMA_POLL_US";
+const POLL_US: u64 = 0;
 
-/// A registered region: the MR and the memory it covers (kept alive next to it).
-pub(crate) struct MrEntry {
-    mr: Mr,
+fn env_knob(name: &str, default: u64, max: u64) -> u64 {
+    match std::env::var(name) {
+        Ok(v) => match v.trim().parse::<u64>() {
+            Ok(n) => n.min(max),
+            Err(_) => {
+                tracing::warn!(var = name, value = %v, "not a number; using the default");
+                default
+            }
+        },
+        Err(_) => default,
+    }
+}
+
+/// A registered region: one MR per device and the memory they cover (kept alive next to them).
+pub(crate) struct MrSet {
+    /// Index = local device index.
+    per_dev: Vec<Mr>,
+    /// Offered to peers (remote rights granted).
+    offered: bool,
     _mem: Arc<RegionMem>,
 }
 
 struct Dev {
+    index: usize,
     name: String,
     _ctx: Context,
     pd: Pd,
@@ -78,21 +138,35 @@ struct Dev {
     gid: GidSelection,
     lid: u16,
     mtu: Mtu,
-    mrs: RwLock<HashMap<RegionId, Arc<MrEntry>>>,
+    link: u8,
+    cq_entries: usize,
+    live_qps: Arc<AtomicUsize>,
+    /// WRs posted on this device's QPs and not completed yet (a hint for the completion
+    /// thread's poll window).
+    inflight: Arc<AtomicUsize>,
+}
+
+/// State shared by the transport, its completion threads and its peers.
+struct Shared {
+    devs: Vec<Arc<Dev>>,
+    mrs: RwLock<HashMap<RegionId, Arc<MrSet>>>,
     peers: Mutex<HashMap<u32, Weak<PeerShared>>>,
     next_peer: AtomicU32,
     stop: AtomicBool,
-    cq_entries: usize,
-    live_qps: Arc<AtomicUsize>,
+    /// Signal one WR in this many (≥ 1).
+    signal_every: usize,
+    /// Completion-thread poll window.
+    poll: Duration,
 }
 
 struct PreQps {
     created: Instant,
-    qps: Vec<(DevQp, u32)>,
+    /// Per local device: its QPs and their first PSNs.
+    per_dev: Vec<Vec<(DevQp, u32)>>,
 }
 
-/// A QP of the device, counted against the device's QP budget while it lives (every QP's
-/// signalled WRs must fit the shared CQ).
+/// A QP of a device, counted against the device's QP budget while it lives (every QP's
+/// signalled WRs must fit the device's shared CQ).
 pub(crate) struct DevQp {
     qp: Qp,
     live: Arc<AtomicUsize>,
@@ -135,17 +209,95 @@ impl Dev {
     }
 }
 
-/// The RDMA transport of one engine (one device).
+/// Link classes that can reach each other (same link layer; RoCE: same GID family).
+const LINK_ETH_V4: u8 = 1;
+const LINK_ETH_V6: u8 = 2;
+const LINK_IB: u8 = 3;
+
+fn link_class(link: LinkLayer, gid: &GidSelection) -> u8 {
+    match link {
+        LinkLayer::Infiniband => LINK_IB,
+        _ if gid.gid.ipv4().is_some() => LINK_ETH_V4,
+        _ => LINK_ETH_V6,
+    }
+}
+
+/// Splits a comma list of device names (blanks ignored, duplicates dropped, order kept).
+pub(crate) fn device_list(s: &str) -> Vec<String> {
+    let mut out: Vec<String> = Vec::new();
+    for n in s.split(',').map(str::trim).filter(|n| !n.is_empty()) {
+        if !out.iter().any(|x| x == n) {
+            out.push(n.to_string());
+        }
+    }
+    out
+}
+
+/// Natural order of device names: `mlx5_2` before `mlx5_10`.
+fn natural_key(name: &str) -> (String, u64, String) {
+    let digits = name.len() - name.trim_end_matches(|c: char| c.is_ascii_digit()).len();
+    let (stem, num) = name.split_at(name.len() - digits);
+    (
+        stem.to_string(),
+        num.parse().unwrap_or(u64::MAX),
+        name.to_string(),
+    )
+}
+
+/// The devices the configuration names (`None` = every usable device).
+fn wanted_devices(cfg: &EngineConfig) -> Option<Vec<String>> {
+    if !cfg.rdma_devices.is_empty() {
+        let v = device_list(&cfg.rdma_devices.join(","));
+        return (!v.is_empty()).then_some(v);
+    }
+    if let Some(d) = &cfg.rdma_device {
+        let v = device_list(d);
+        if !v.is_empty() {
+            return Some(v);
+        }
+    }
+    std::env::var(DEVICE_ENV)
+        .ok()
+        .map(|s| device_list(&s))
+        .filter(|v| !v.is_empty())
+}
+
+/// Pairs the devices of the side whose order decides (`first`, link classes) with the other
+/// side's (`second`): device *i* takes the first unmatched device of the same class, scanning
+/// from index *i*. Returns `(first index, second index)` in `first` order.
+fn pair_devices(first: &[u8], second: &[u8]) -> Vec<(usize, usize)> {
+    let m = second.len();
+    let mut used = vec![false; m];
+    let mut out = Vec::new();
+    if m == 0 {
+        return out;
+    }
+    for (i, c) in first.iter().enumerate() {
+        for k in 0..m {
+            let j = (i + k) % m;
+            if !used[j] && second[j] == *c {
+                used[j] = true;
+                out.push((i, j));
+                break;
+            }
+        }
+    }
+    out
+}
+
+/// The RDMA transport of one engine (one or several devices).
 pub(crate) struct RdmaTransport {
-    dev: Arc<Dev>,
+    sh: Arc<Shared>,
+    /// QPs prepared per device and handshake (= lanes per device pair).
     lanes: usize,
     expiry: Duration,
     pre: Mutex<HashMap<[u8; 16], PreQps>>,
 }
 
 impl RdmaTransport {
-    /// Opens the configured device; `Ok(None)` when RDMA is not available here (no library, no
-    /// device), with the reason logged.
+    /// Opens the configured devices; `Ok(None)` when RDMA is not available here (no library, no
+    /// usable device), with the reason logged. A device named in the configuration that cannot
+    /// be opened is an error.
     pub fn open(cfg: &EngineConfig) -> Result<Option<RdmaTransport>, Error> {
         let verbs = match Verbs::load() {
             Ok(v) => v,
@@ -165,44 +317,89 @@ impl RdmaTransport {
             tracing::debug!("no RDMA device: no rdma transport");
             return Ok(None);
         }
-        let wanted = cfg
-            .rdma_device
-            .clone()
-            .or_else(|| std::env::var(DEVICE_ENV).ok().filter(|s| !s.is_empty()));
+        let wanted = wanted_devices(cfg);
         let candidates: Vec<String> = match &wanted {
-            Some(n) => vec![n.clone()],
-            None => devices.iter().map(|d| d.name.clone()).collect(),
+            Some(v) => v.clone(),
+            None => {
+                let mut v: Vec<String> = devices.iter().map(|d| d.name.clone()).collect();
+                v.sort_by_key(|n| natural_key(n));
+                v
+            }
         };
-        let mut last: Option<VerbsError> = None;
+        if candidates.len() > MAX_DEVICES && wanted.is_some() {
+            return Err(Error::InvalidArgument(format!(
+                "{} RDMA devices named (at most {MAX_DEVICES})",
+                candidates.len()
+            )));
+        }
+        let mut devs: Vec<Arc<Dev>> = Vec::new();
         for name in candidates {
-            match Self::open_dev(&verbs, &name) {
-                Ok(dev) => {
-                    let dev = Arc::new(dev);
-                    let d2 = dev.clone();
-                    std::thread::Builder::new()
-                        .name("kvwire-rdma-cq".into())
-                        .spawn(move || completion_loop(d2))?;
-                    tracing::debug!(device = %name, "rdma transport ready");
-                    return Ok(Some(RdmaTransport {
-                        dev,
-                        lanes: cfg.lanes,
-                        expiry: cfg.connect_timeout * 2 + PRE_EXPIRY_SLACK,
-                        pre: Mutex::new(HashMap::new()),
-                    }));
+            if devs.len() == MAX_DEVICES {
+                break;
+            }
+            match Self::open_dev(&verbs, &name, devs.len()) {
+                Ok(dev) => devs.push(Arc::new(dev)),
+                Err(e) if wanted.is_some() => {
+                    return Err(Error::Unsupported(format!("RDMA device {name}: {e}")));
                 }
                 Err(e) => {
                     tracing::debug!(device = %name, error = %e, "RDMA device not usable");
-                    last = Some(e);
                 }
             }
         }
-        match (wanted, last) {
-            (Some(n), Some(e)) => Err(Error::Unsupported(format!("RDMA device {n}: {e}"))),
-            _ => Ok(None),
+        if devs.is_empty() {
+            return Ok(None);
         }
+        let sh = Arc::new(Shared {
+            devs,
+            mrs: RwLock::new(HashMap::new()),
+            peers: Mutex::new(HashMap::new()),
+            next_peer: AtomicU32::new(1),
+            stop: AtomicBool::new(false),
+            signal_every: env_knob(SIGNAL_ENV, SIGNAL_EVERY as u64, u64::from(QP_DEPTH)).max(1)
+                as usize,
+            poll: Duration::from_micros(env_knob(POLL_ENV, POLL_US, 10_000)),
+        });
+        for d in &sh.devs {
+            let (s2, i) = (sh.clone(), d.index);
+            let spawned = std::thread::Builder::new()
+                .name(format!("kvwire-rdma-cq{i}"))
+                .spawn(move || completion_loop(s2, i));
+            if let Err(e) = spawned {
+                sh.stop.store(true, Ordering::Release);
+                return Err(e.into());
+            }
+        }
+        let names: Vec<&str> = sh.devs.iter().map(|d| d.name.as_str()).collect();
+        if wanted.is_none() {
+            let mut numa: Vec<u32> = devices
+                .iter()
+                .filter(|d| names.contains(&d.name.as_str()))
+                .filter_map(|d| d.numa_node)
+                .collect();
+            numa.sort_unstable();
+            numa.dedup();
+            if numa.len() > 1 {
+                tracing::warn!(
+                    devices = ?names,
+                    numa_nodes = ?numa,
+                    "rdma: no device named, so every active device is used, on several NUMA \
+                     nodes; name the NICs close to the memory (EngineConfig::rdma_devices or \
+                     KVWIRE_RDMA_DEVICE), see docs/rdma_hardware_plan.md"
+                );
+            }
+        }
+        tracing::debug!(devices = ?names, "rdma transport ready");
+        let ndev = sh.devs.len();
+        Ok(Some(RdmaTransport {
+            sh,
+            lanes: cfg.lanes.clamp(1, (MAX_LANES / ndev).max(1)),
+            expiry: cfg.connect_timeout * 2 + PRE_EXPIRY_SLACK,
+            pre: Mutex::new(HashMap::new()),
+        }))
     }
 
-    fn open_dev(verbs: &Verbs, name: &str) -> Result<Dev, VerbsError> {
+    fn open_dev(verbs: &Verbs, name: &str, index: usize) -> Result<Dev, VerbsError> {
         let ctx = verbs.open(name)?;
         let port = ctx.query_port(1)?;
         if !port.active {
@@ -215,20 +412,19 @@ impl RdmaTransport {
         let cq_entries = CQ_ENTRIES.min(ctx.max_cqe().max(1));
         let cq = ctx.create_cq(cq_entries)?;
         Ok(Dev {
+            index,
             name: name.to_string(),
             pd,
             cq,
             port: 1,
+            link: link_class(port.link_layer, &gid),
             gid,
             lid: port.lid,
             mtu: port.active_mtu,
             _ctx: ctx,
-            mrs: RwLock::new(HashMap::new()),
-            peers: Mutex::new(HashMap::new()),
-            next_peer: AtomicU32::new(1),
-            stop: AtomicBool::new(false),
             cq_entries: cq_entries as usize,
             live_qps: Arc::new(AtomicUsize::new(0)),
+            inflight: Arc::new(AtomicUsize::new(0)),
         })
     }
 
@@ -239,21 +435,31 @@ impl RdmaTransport {
                 .lock()
                 .retain(|_, p| now.duration_since(p.created) < self.expiry);
         }
-        let mut qps = Vec::with_capacity(self.lanes);
-        for _ in 0..self.lanes {
-            let qp = self.dev.create_qp()?;
-            let psn = u32::from_le_bytes(crate::auth::random::<4>()) & 0x00ff_ffff;
-            qps.push((qp, psn));
+        let mut per_dev = Vec::with_capacity(self.sh.devs.len());
+        for d in &self.sh.devs {
+            let mut qps = Vec::with_capacity(self.lanes);
+            for _ in 0..self.lanes {
+                let qp = d.create_qp()?;
+                let psn = u32::from_le_bytes(crate::auth::random::<4>()) & 0x00ff_ffff;
+                qps.push((qp, psn));
+            }
+            per_dev.push(qps);
         }
         let nonce: [u8; 16] = crate::auth::random();
-        let mut b = Vec::with_capacity(BLOB_HEAD + qps.len() * Endpoint::ENCODED_LEN);
+        let mut b = Vec::with_capacity(
+            BLOB_HEAD + self.sh.devs.len() * (BLOB_DEV_HEAD + self.lanes * Endpoint::ENCODED_LEN),
+        );
         b.extend_from_slice(&nonce);
-        b.push(self.dev.port);
-        b.push(self.dev.gid.index);
-        b.push(mtu_code(self.dev.mtu));
-        b.push(qps.len() as u8);
-        for (qp, psn) in &qps {
-            b.extend_from_slice(&qp.endpoint(self.dev.gid.gid, self.dev.lid, *psn).to_bytes());
+        b.push(self.sh.devs.len() as u8);
+        for (d, qps) in self.sh.devs.iter().zip(&per_dev) {
+            b.push(d.port);
+            b.push(d.gid.index);
+            b.push(mtu_code(d.mtu));
+            b.push(d.link);
+            b.push(qps.len() as u8);
+            for (qp, psn) in qps {
+                b.extend_from_slice(&qp.endpoint(d.gid.gid, d.lid, *psn).to_bytes());
+            }
         }
         let mut pre = self.pre.lock();
         let now = Instant::now();
@@ -263,16 +469,26 @@ impl RdmaTransport {
                 "too many unclaimed RDMA queue pair sets".into(),
             ));
         }
-        pre.insert(nonce, PreQps { created: now, qps });
+        pre.insert(
+            nonce,
+            PreQps {
+                created: now,
+                per_dev,
+            },
+        );
         Ok(b)
     }
 
-    /// The rkey of a region, when registered.
+    /// The rkey of a region on the first device, when registered.
     pub fn rkey(&self, id: RegionId) -> Option<u32> {
-        self.dev.mrs.read().get(&id).map(|m| m.mr.rkey())
+        self.sh
+            .mrs
+            .read()
+            .get(&id)
+            .and_then(|m| m.per_dev.first().map(|mr| mr.rkey()))
     }
 
-    /// Registers a region's memory with the device.
+    /// Registers a region's memory with every device.
     pub fn add_region(&self, e: &RegionEntry) -> Result<(), Error> {
         let mut access = verbs::Access::LOCAL_WRITE;
         if e.access.remote_write() {
@@ -282,43 +498,57 @@ impl RdmaTransport {
             access = access | verbs::Access::REMOTE_READ;
         }
         let mem = e.mem.clone();
-        // SAFETY: the memory `mem.addr() .. + mem.len()` is owned (memfd mapping) or promised
-        // valid by `Engine::register_raw`'s contract for as long as the `RegionMem` lives; the
-        // `MrEntry` holds that `Arc<RegionMem>`, and every work request naming the MR holds the
-        // `MrEntry`, so the memory outlives the registration and every use of it by the NIC.
-        // The engine never hands out Rust references into region memory (copies go through
-        // `RegionMem`), so concurrent NIC access races with no Rust reference.
-        let mr = unsafe {
-            self.dev
-                .pd
-                .register_raw(mem.addr() as *mut u8, mem.len(), access)
+        let mut per_dev = Vec::with_capacity(self.sh.devs.len());
+        for d in &self.sh.devs {
+            // SAFETY: the memory `mem.addr() .. + mem.len()` is owned (memfd mapping) or
+            // promised valid by `Engine::register_raw`'s contract for as long as the
+            // `RegionMem` lives; the `MrSet` holds that `Arc<RegionMem>` next to every MR of
+            // it, and every work request naming one of the MRs holds the `MrSet`, so the memory
+            // outlives the registrations and every use of it by the NICs. The engine never
+            // hands out Rust references into region memory (copies go through `RegionMem`), so
+            // concurrent NIC access races with no Rust reference.
+            let mr = unsafe { d.pd.register_raw(mem.addr() as *mut u8, mem.len(), access) }
+                .map_err(|err| {
+                    Error::Io(std::io::Error::other(format!(
+                        "registering region {:?} on {}: {err}",
+                        e.id, d.name
+                    )))
+                })?;
+            per_dev.push(mr);
         }
-        .map_err(verbs_err)?;
-        self.dev
-            .mrs
-            .write()
-            .insert(e.id, Arc::new(MrEntry { mr, _mem: mem }));
+        self.sh.mrs.write().insert(
+            e.id,
+            Arc::new(MrSet {
+                per_dev,
+                offered: e.access.offered(),
+                _mem: mem,
+            }),
+        );
         Ok(())
     }
 
-    /// Deregisters a region (in-flight work requests keep their MR until they complete).
+    /// Deregisters a region (in-flight work requests keep their MRs until they complete).
     pub fn remove_region(&self, id: RegionId) {
-        self.dev.mrs.write().remove(&id);
+        self.sh.mrs.write().remove(&id);
     }
 
-    fn take_pre(&self, blob: &[u8]) -> Option<Vec<(DevQp, u32)>> {
+    fn take_pre(&self, blob: &[u8]) -> Option<Vec<Vec<(DevQp, u32)>>> {
         if blob.len() < 16 {
             return None;
         }
         let mut n = [0u8; 16];
         n.copy_from_slice(&blob[..16]);
-        self.pre.lock().remove(&n).map(|p| p.qps)
+        self.pre.lock().remove(&n).map(|p| p.per_dev)
+    }
+
+    fn local_classes(&self) -> Vec<u8> {
+        self.sh.devs.iter().map(|d| d.link).collect()
     }
 }
 
 impl Drop for RdmaTransport {
     fn drop(&mut self) {
-        self.dev.stop.store(true, Ordering::Release);
+        self.sh.stop.store(true, Ordering::Release);
     }
 }
 
@@ -352,27 +582,67 @@ fn mtu_from_code(c: u8) -> Option<Mtu> {
     })
 }
 
-/// A parsed remote blob.
-struct RemoteBlob {
+/// One device of a parsed remote blob.
+#[derive(Debug, PartialEq)]
+struct RemoteDev {
     mtu: Mtu,
+    link: u8,
     endpoints: Vec<Endpoint>,
+}
+
+/// A parsed remote blob.
+#[derive(Debug)]
+struct RemoteBlob {
+    nonce: [u8; 16],
+    devs: Vec<RemoteDev>,
 }
 
 fn parse_blob(b: &[u8]) -> Result<RemoteBlob, Error> {
     if b.len() < BLOB_HEAD {
         return Err(Error::Protocol("rdma blob too short".into()));
     }
-    let mtu = mtu_from_code(b[18]).ok_or_else(|| Error::Protocol("rdma blob: bad MTU".into()))?;
-    let n = b[19] as usize;
-    if n == 0 || b.len() != BLOB_HEAD + n * Endpoint::ENCODED_LEN {
-        return Err(Error::Protocol("rdma blob: bad endpoint count".into()));
+    let mut nonce = [0u8; 16];
+    nonce.copy_from_slice(&b[..16]);
+    let n = b[16] as usize;
+    if n == 0 || n > MAX_DEVICES {
+        return Err(Error::Protocol(format!("rdma blob: {n} devices")));
     }
-    let endpoints = b[BLOB_HEAD..]
-        .chunks_exact(Endpoint::ENCODED_LEN)
-        .map(Endpoint::from_bytes)
-        .collect::<Result<Vec<_>, _>>()
-        .map_err(|e| Error::Protocol(format!("rdma blob: {e}")))?;
-    Ok(RemoteBlob { mtu, endpoints })
+    let mut at = BLOB_HEAD;
+    let mut devs = Vec::with_capacity(n);
+    for _ in 0..n {
+        let h = b
+            .get(at..at + BLOB_DEV_HEAD)
+            .ok_or_else(|| Error::Protocol("rdma blob truncated".into()))?;
+        let mtu =
+            mtu_from_code(h[2]).ok_or_else(|| Error::Protocol("rdma blob: bad MTU".into()))?;
+        let link = h[3];
+        if !matches!(link, LINK_ETH_V4 | LINK_ETH_V6 | LINK_IB) {
+            return Err(Error::Protocol("rdma blob: bad link class".into()));
+        }
+        let q = h[4] as usize;
+        if q == 0 || q > MAX_LANES {
+            return Err(Error::Protocol("rdma blob: bad endpoint count".into()));
+        }
+        at += BLOB_DEV_HEAD;
+        let body = b
+            .get(at..at + q * Endpoint::ENCODED_LEN)
+            .ok_or_else(|| Error::Protocol("rdma blob truncated".into()))?;
+        let endpoints = body
+            .chunks_exact(Endpoint::ENCODED_LEN)
+            .map(Endpoint::from_bytes)
+            .collect::<Result<Vec<_>, _>>()
+            .map_err(|e| Error::Protocol(format!("rdma blob: {e}")))?;
+        at += q * Endpoint::ENCODED_LEN;
+        devs.push(RemoteDev {
+            mtu,
+            link,
+            endpoints,
+        });
+    }
+    if at != b.len() {
+        return Err(Error::Protocol("rdma blob: trailing bytes".into()));
+    }
+    Ok(RemoteBlob { nonce, devs })
 }
 
 fn verbs_err(e: VerbsError) -> Error {
@@ -396,7 +666,11 @@ impl Transport for RdmaTransport {
         }
     }
     fn usable_with(&self, _remote_host: &HostIdentity, remote_blob: Option<&[u8]>) -> bool {
-        remote_blob.is_some_and(|b| parse_blob(b).is_ok())
+        let Some(r) = remote_blob.and_then(|b| parse_blob(b).ok()) else {
+            return false;
+        };
+        let theirs: Vec<u8> = r.devs.iter().map(|d| d.link).collect();
+        !pair_devices(&self.local_classes(), &theirs).is_empty()
     }
     fn attach_always(&self) -> bool {
         true
@@ -410,49 +684,101 @@ impl Transport for RdmaTransport {
     fn region_rkey(&self, id: RegionId) -> u32 {
         self.rkey(id).unwrap_or(0)
     }
+    // Lane `i` of every pair indexes the prepared QPs, the remote endpoints and the pair list.
+    #[allow(clippy::needless_range_loop)]
     fn establish(&self, ctx: EstablishCtx<'_>) -> Result<Arc<dyn PeerTransport>, Error> {
         let remote = parse_blob(
             ctx.remote_blob
                 .ok_or_else(|| Error::Unsupported("peer did not offer rdma".into()))?,
         )?;
-        let ours = ctx
+        let local_blob = ctx
             .local_blob
-            .and_then(|b| self.take_pre(b))
-            .ok_or_else(|| {
-                Error::Unsupported("no RDMA queue pairs prepared for this peer".into())
-            })?;
-        let mtu = self.dev.mtu.min(remote.mtu);
-        let mut lanes = Vec::new();
-        for ((qp, psn), ep) in ours.into_iter().zip(remote.endpoints.iter()) {
-            qp.connect(&ConnectParams::new(
-                self.dev.port,
-                self.dev.gid.index,
-                mtu,
-                *ep,
-                psn,
-            ))
-            .map_err(verbs_err)?;
-            let depth = qp.caps().max_send_wr.max(1) as usize;
-            lanes.push(Lane {
-                depth,
-                st: Mutex::new(LaneState {
-                    qp: Arc::new(qp),
-                    outstanding: 0,
-                    backlog: VecDeque::new(),
-                    broken: false,
-                    pending: None,
-                    reconnects: 0,
-                }),
-                posted: AtomicU64::new(0),
-                reestablished: AtomicU64::new(0),
-            });
+            .ok_or_else(|| Error::Unsupported("we did not offer rdma to this peer".into()))?;
+        let mut ours = self.take_pre(local_blob).ok_or_else(|| {
+            Error::Unsupported("no RDMA queue pairs prepared for this peer".into())
+        })?;
+        if local_blob[..16] == remote.nonce {
+            return Err(Error::Protocol(
+                "rdma blob: the peer echoed our nonce".into(),
+            ));
         }
-        let key = self.dev.next_peer.fetch_add(1, Ordering::Relaxed);
+        // Both sides pair the devices in the order of the side with the smaller nonce.
+        let mine = self.local_classes();
+        let theirs: Vec<u8> = remote.devs.iter().map(|d| d.link).collect();
+        let pairs: Vec<(usize, usize)> = if local_blob[..16] < remote.nonce[..] {
+            pair_devices(&mine, &theirs)
+        } else {
+            pair_devices(&theirs, &mine)
+                .into_iter()
+                .map(|(r, l)| (l, r))
+                .collect()
+        };
+        if pairs.is_empty() {
+            return Err(Error::Unsupported(
+                "no local RDMA device can reach a device of the peer".into(),
+            ));
+        }
+        // Per pair, the lanes both sides prepared; lanes interleaved over the pairs.
+        let per_pair: Vec<usize> = pairs
+            .iter()
+            .map(|&(l, r)| ours[l].len().min(remote.devs[r].endpoints.len()))
+            .collect();
+        let mut slots: Vec<Vec<Option<(DevQp, u32)>>> = ours
+            .iter_mut()
+            .map(|v| v.drain(..).map(Some).collect())
+            .collect();
+        let mut lanes = Vec::new();
+        let most = per_pair.iter().copied().max().unwrap_or(0);
+        'outer: for i in 0..most {
+            for (p, &(l, r)) in pairs.iter().enumerate() {
+                if i >= per_pair[p] {
+                    continue;
+                }
+                if lanes.len() == MAX_LANES {
+                    break 'outer;
+                }
+                let Some((qp, psn)) = slots[l][i].take() else {
+                    continue;
+                };
+                let dev = &self.sh.devs[l];
+                let rd = &remote.devs[r];
+                let mtu = dev.mtu.min(rd.mtu);
+                qp.connect(&ConnectParams::new(
+                    dev.port,
+                    dev.gid.index,
+                    mtu,
+                    rd.endpoints[i],
+                    psn,
+                ))
+                .map_err(verbs_err)?;
+                let depth = qp.caps().max_send_wr.max(1) as usize;
+                lanes.push(Lane {
+                    ldev: l,
+                    rdev: r,
+                    inflight: dev.inflight.clone(),
+                    mtu,
+                    depth,
+                    st: Mutex::new(LaneState {
+                        qp: Arc::new(qp),
+                        outstanding: 0,
+                        backlog: VecDeque::new(),
+                        broken: false,
+                        pending: None,
+                        reconnects: 0,
+                    }),
+                    posted: AtomicU64::new(0),
+                    reestablished: AtomicU64::new(0),
+                });
+            }
+        }
+        drop(slots); // QPs of devices without a partner
+        let key = self.sh.next_peer.fetch_add(1, Ordering::Relaxed);
         let sh = Arc::new(PeerShared {
             lanes,
             key,
-            dev: Arc::downgrade(&self.dev),
-            mtu,
+            signal_every: self.sh.signal_every,
+            tr: Arc::downgrade(&self.sh),
+            remote_devs: remote.devs.len(),
             wrs: Mutex::new(HashMap::new()),
             next_wr: AtomicU32::new(1),
             next_lane: AtomicU32::new(0),
@@ -461,9 +787,15 @@ impl Transport for RdmaTransport {
             on_dead: ctx.on_dead,
             closed: AtomicBool::new(false),
             reposts: AtomicU64::new(0),
+            keys: RwLock::new(HashMap::new()),
+            asked: Mutex::new(HashSet::new()),
         });
-        self.dev.peers.lock().insert(key, Arc::downgrade(&sh));
-        tracing::debug!(device = %self.dev.name, lanes = sh.lanes.len(), ?mtu, "rdma peer connected");
+        self.sh.peers.lock().insert(key, Arc::downgrade(&sh));
+        let names: Vec<String> = pairs
+            .iter()
+            .map(|&(l, r)| format!("{}->remote#{r}", self.sh.devs[l].name))
+            .collect();
+        tracing::debug!(pairs = ?names, lanes = sh.lanes.len(), "rdma peer connected");
         Ok(Arc::new(RdmaPeer { sh }))
     }
 }
@@ -474,14 +806,24 @@ impl Transport for RdmaTransport {
 const MSG_RECONNECT: u8 = 1;
 const MSG_RECONNECT_ACK: u8 = 2;
 const MSG_LEN: usize = 10 + Endpoint::ENCODED_LEN;
+/// Remote keys request: `[3][count u16][(region index u32, generation u32) x count]`.
+const MSG_KEYS_REQ: u8 = 3;
+/// Remote keys: `[4][devices u8][count u16][(index u32, generation u32, rkey u32 x devices) x
+/// count]`; all-zero keys for a region that is not (or no longer) offered.
+const MSG_KEYS: u8 = 4;
 /// A lane is re-established at most this many times (then it stays broken).
 const MAX_RECONNECTS: u32 = 64;
 
-#[derive(Clone, Copy)]
+/// A slice, independent of the lane (device pair) it ends up on.
+#[derive(Clone)]
 struct Wr {
     op: SendOp,
-    sge: Sge,
-    remote: RemoteSlice,
+    /// Local address and length (inside the region of the entry's `MrSet`).
+    laddr: u64,
+    len: u32,
+    /// Remote address and the region's rkey per remote device (0 = unknown).
+    raddr: u64,
+    rkeys: Arc<[u32]>,
 }
 
 struct LaneState {
@@ -496,6 +838,13 @@ struct LaneState {
 }
 
 struct Lane {
+    /// Local device index.
+    ldev: usize,
+    /// Remote device index.
+    rdev: usize,
+    mtu: Mtu,
+    /// The local device's count of WRs on the NIC.
+    inflight: Arc<AtomicUsize>,
     depth: usize,
     st: Mutex<LaneState>,
     posted: AtomicU64,
@@ -524,15 +873,23 @@ struct WrEntry {
     wr: Wr,
     retries: u8,
     region: RegionId,
-    _mr: Arc<MrEntry>,
+    mr: Arc<MrSet>,
+    /// Set on a signalled WR: the unsignalled WRs posted before it on the same QP since the
+    /// previous signalled one. RC completes a QP's WRs in order, and a failed or flushed WR
+    /// always produces its own completion, so when this WR's completion arrives, those of
+    /// them still waiting (posted on the same QP) completed successfully.
+    covers: Vec<u64>,
 }
 
 struct PeerShared {
     // Field order: the lanes' QPs are released before the MRs the entries hold.
     lanes: Vec<Lane>,
     key: u32,
-    dev: Weak<Dev>,
-    mtu: Mtu,
+    /// Signal one WR in this many.
+    signal_every: usize,
+    tr: Weak<Shared>,
+    /// Devices the peer listed in its blob.
+    remote_devs: usize,
     wrs: Mutex<HashMap<u64, WrEntry>>,
     next_wr: AtomicU32,
     next_lane: AtomicU32,
@@ -542,12 +899,16 @@ struct PeerShared {
     closed: AtomicBool,
     /// Work requests re-posted on another lane after a flush (metrics).
     reposts: AtomicU64,
+    /// The peer's rkeys per remote device for its regions (index 0 comes with the region).
+    keys: RwLock<HashMap<RegionId, Arc<[u32]>>>,
+    /// Regions whose keys were asked for.
+    asked: Mutex<HashSet<RegionId>>,
 }
 
 impl Drop for PeerShared {
     fn drop(&mut self) {
-        if let Some(d) = self.dev.upgrade() {
-            d.peers.lock().remove(&self.key);
+        if let Some(t) = self.tr.upgrade() {
+            t.peers.lock().remove(&self.key);
         }
     }
 }
@@ -590,7 +951,7 @@ impl PeerShared {
         while !st.broken && !st.backlog.is_empty() && st.outstanding < l.depth {
             let k = (l.depth - st.outstanding).min(st.backlog.len());
             let ids: Vec<u64> = st.backlog.drain(..k).collect();
-            let wrs: Vec<(u64, Wr)> = {
+            let wrs: Vec<(u64, SendOp, Sge, RemoteSlice, bool)> = {
                 let mut m = self.wrs.lock();
                 let mut v = Vec::with_capacity(ids.len());
                 for id in ids {
@@ -603,12 +964,40 @@ impl PeerShared {
                         continue;
                     }
                     if let Some(e) = m.get_mut(&id) {
+                        let (Some(mr), Some(&rkey)) =
+                            (e.mr.per_dev.get(l.ldev), e.wr.rkeys.get(l.rdev))
+                        else {
+                            continue; // cannot happen: lanes are chosen where keys exist
+                        };
                         e.qp = Some(st.qp.clone());
                         e.batch.on_nic.fetch_add(1, Ordering::AcqRel);
                         e.batch
                             .lanes
                             .fetch_or(1u64 << (lane % 64), Ordering::AcqRel);
-                        v.push((id, e.wr));
+                        let sge = Sge {
+                            addr: e.wr.laddr,
+                            length: e.wr.len,
+                            lkey: mr.lkey(),
+                        };
+                        let remote = RemoteSlice {
+                            addr: e.wr.raddr,
+                            rkey,
+                        };
+                        v.push((id, e.wr.op, sge, remote, false));
+                    }
+                }
+                // Signal every `signal_every`-th WR and the last one of the chain; each
+                // signalled WR covers the unsignalled ones before it.
+                let mut cover: Vec<u64> = Vec::new();
+                let last = v.len().saturating_sub(1);
+                for (j, w) in v.iter_mut().enumerate() {
+                    if (j + 1) % self.signal_every == 0 || j == last {
+                        w.4 = true;
+                        if let Some(e) = m.get_mut(&w.0) {
+                            e.covers = std::mem::take(&mut cover);
+                        }
+                    } else {
+                        cover.push(w.0);
                     }
                 }
                 v
@@ -618,36 +1007,42 @@ impl PeerShared {
             }
             let reqs: Vec<SendRequest<'_>> = wrs
                 .iter()
-                .map(|(id, w)| SendRequest {
+                .map(|(id, op, sge, remote, signaled)| SendRequest {
                     wr_id: *id,
-                    op: w.op,
-                    local: std::slice::from_ref(&w.sge),
-                    remote: w.remote,
-                    signaled: true,
+                    op: *op,
+                    local: std::slice::from_ref(sge),
+                    remote: *remote,
+                    signaled: *signaled,
                 })
                 .collect();
             if let Err(e) = st.qp.post_send(&reqs) {
                 // A failed chain may have posted a prefix; the QP goes to the error state, so
-                // whatever was posted flushes. Count it as posted (its completions come back) and
-                // requeue the rest.
+                // whatever was posted and not executed flushes. Count it as posted (its
+                // completions come back) and requeue the rest. (An unsignalled WR of the
+                // prefix after its last signalled one that did execute produces no
+                // completion: its batch ends at its deadline. Posting fails only when the
+                // QP is already broken or its queue full, which the depth accounting avoids.)
                 let index = match &e {
                     VerbsError::PostFailed { index, .. } => *index,
                     _ => 0,
                 };
                 {
                     let mut m = self.wrs.lock();
-                    for (id, _) in &wrs[index..] {
+                    for (id, ..) in &wrs[index..] {
                         if let Some(x) = m.get_mut(id) {
                             x.qp = None;
+                            x.covers.clear();
                             x.batch.on_nic.fetch_sub(1, Ordering::AcqRel);
                         }
                         st.backlog.push_back(*id);
                     }
                 }
                 st.outstanding += index;
+                l.inflight.fetch_add(index, Ordering::AcqRel);
                 return Err(e);
             }
             st.outstanding += wrs.len();
+            l.inflight.fetch_add(wrs.len(), Ordering::AcqRel);
             l.posted.fetch_add(wrs.len() as u64, Ordering::Relaxed);
         }
         Ok(())
@@ -707,9 +1102,20 @@ impl PeerShared {
                     }
                     continue;
                 }
+                let eligible: Vec<usize> = targets
+                    .iter()
+                    .copied()
+                    .filter(|&l| e.wr.rkeys.get(self.lanes[l].rdev).is_some_and(|k| *k != 0))
+                    .collect();
+                if eligible.is_empty() {
+                    if let Some(e) = m.remove(&id) {
+                        fail.push(e);
+                    }
+                    continue;
+                }
                 e.retries += 1;
                 e.qp = None;
-                let l = targets[(id as usize) % targets.len()];
+                let l = eligible[(id as usize) % eligible.len()];
                 e.lane = l;
                 by_lane.entry(l).or_default().push(id);
             }
@@ -732,14 +1138,43 @@ impl PeerShared {
         }
     }
 
-    /// One completion of ours.
+    /// One completion of ours: first the unsignalled WRs it covers (those still posted on
+    /// the same QP completed successfully), then the WR itself.
     fn complete(&self, wr_id: u64, result: Result<(), WcStatus>) {
+        let covered: Vec<u64> = {
+            let mut m = self.wrs.lock();
+            let Some(e) = m.get_mut(&wr_id) else {
+                return;
+            };
+            let covers = std::mem::take(&mut e.covers);
+            let qp = e.qp.clone();
+            covers
+                .into_iter()
+                .filter(|id| {
+                    m.get(id).is_some_and(|c| match (&c.qp, &qp) {
+                        (Some(a), Some(b)) => Arc::ptr_eq(a, b),
+                        _ => false,
+                    })
+                })
+                .collect()
+        };
+        for id in covered {
+            self.complete_one(id, Ok(()));
+        }
+        self.complete_one(wr_id, result);
+    }
+
+    fn complete_one(&self, wr_id: u64, result: Result<(), WcStatus>) {
         let Some(mut e) = self.wrs.lock().remove(&wr_id) else {
             return;
         };
         let lane = e.lane;
         if e.qp.is_some() {
             e.batch.on_nic.fetch_sub(1, Ordering::AcqRel);
+            let _ =
+                self.lanes[lane]
+                    .inflight
+                    .fetch_update(Ordering::AcqRel, Ordering::Acquire, |n| n.checked_sub(1));
         }
         {
             let mut st = self.lanes[lane].st.lock();
@@ -767,17 +1202,41 @@ impl PeerShared {
                 self.wrs.lock().insert(wr_id, e);
                 self.reroute(vec![wr_id], "queue pair flushed");
             }
+            Err(
+                s @ (WcStatus::RemoteInvalidRequest
+                | WcStatus::RemoteInvalidRdRequest
+                | WcStatus::RemoteOperation),
+            ) => {
+                // The peer's NIC refused the request as malformed although it was well formed
+                // (a bad key or an out-of-bounds address is `RemoteAccess`): a transport-level
+                // fault (SoftRoCE does this after packet loss under load). Retried elsewhere,
+                // bounded, like a flushed WR.
+                tracing::debug!(lane, status = ?s, "rdma work request refused; retrying elsewhere");
+                self.wrs.lock().insert(wr_id, e);
+                self.reroute(vec![wr_id], "remote invalid request");
+            }
+            Err(
+                s @ (WcStatus::RetryExceeded
+                | WcStatus::RnrRetryExceeded
+                | WcStatus::ResponseTimeout),
+            ) => {
+                // No answer from the peer on this queue pair: congestion or a dead peer. The
+                // lane is broken (and re-established over the control connection); the WR is
+                // tried again on another lane, a bounded number of times, so a congested path
+                // costs a retry while a dead peer still fails (every lane times out, or the
+                // control connection dies) with `PeerDead`.
+                tracing::debug!(lane, status = ?s, "rdma work request unanswered; retrying elsewhere");
+                self.wrs.lock().insert(wr_id, e);
+                self.reroute(vec![wr_id], "peer unreachable");
+            }
             Err(s) => {
                 let err = match s {
-                    WcStatus::RemoteAccess
-                    | WcStatus::RemoteInvalidRequest
-                    | WcStatus::RemoteInvalidRdRequest
-                    | WcStatus::LocalProtection
-                    | WcStatus::LocalAccess => Error::AccessDenied(e.region),
-                    WcStatus::RetryExceeded
-                    | WcStatus::RnrRetryExceeded
-                    | WcStatus::ResponseTimeout => {
-                        Error::PeerDead(format!("rdma: {s:?} (peer unreachable)"))
+                    WcStatus::RemoteAccess => Error::AccessDenied(e.region),
+                    // Our own keys refused by our NIC: a defect here, not the caller's input.
+                    s @ (WcStatus::LocalProtection | WcStatus::LocalAccess) => {
+                        Error::Io(std::io::Error::other(format!(
+                            "rdma work request failed: {s:?} (local key of lane {lane})"
+                        )))
                     }
                     other => Error::Io(std::io::Error::other(format!(
                         "rdma work request failed: {other:?}"
@@ -800,14 +1259,19 @@ impl PeerShared {
         if b.state.is_done() {
             return;
         }
-        if let Some(tag) = b.notify.lock().take() {
-            if let Err(e) = self.ctrl.send(&CtrlMsg::Notify(tag)) {
-                b.state
-                    .fail(Error::PeerDead(format!("sending notification: {e}")));
-                return;
+        let tag = b.notify.lock().take();
+        match tag {
+            // Every WR completed, so every byte landed: the notification goes out now, and the
+            // batch's part completes when the target confirms it queued it (the engine's fence),
+            // so a completed batch's notification is already at the target.
+            Some(tag) => {
+                if let Err(e) = self.ctrl.send_notify(b.state.id, tag) {
+                    b.state
+                        .fail(Error::PeerDead(format!("sending notification: {e}")));
+                }
             }
+            None => b.state.part_done(),
         }
-        b.state.part_done();
     }
 
     /// Breaks the lanes carrying a batch's WRs and waits (bounded) until none is on the NIC.
@@ -828,20 +1292,28 @@ impl PeerShared {
         }
     }
 
-    fn new_qp(&self) -> Result<(Arc<DevQp>, u32, Endpoint), Error> {
-        let dev = self.dev.upgrade().ok_or(Error::Shutdown)?;
+    fn dev(&self, lane: usize) -> Result<Arc<Dev>, Error> {
+        let t = self.tr.upgrade().ok_or(Error::Shutdown)?;
+        t.devs
+            .get(self.lanes[lane].ldev)
+            .cloned()
+            .ok_or(Error::Shutdown)
+    }
+
+    fn new_qp(&self, lane: usize) -> Result<(Arc<DevQp>, u32, Endpoint), Error> {
+        let dev = self.dev(lane)?;
         let qp = dev.create_qp()?;
         let psn = u32::from_le_bytes(crate::auth::random::<4>()) & 0x00ff_ffff;
         let ep = qp.endpoint(dev.gid.gid, dev.lid, psn);
         Ok((Arc::new(qp), psn, ep))
     }
 
-    fn connect_qp(&self, qp: &Qp, psn: u32, remote: Endpoint) -> Result<(), Error> {
-        let dev = self.dev.upgrade().ok_or(Error::Shutdown)?;
+    fn connect_qp(&self, lane: usize, qp: &Qp, psn: u32, remote: Endpoint) -> Result<(), Error> {
+        let dev = self.dev(lane)?;
         qp.connect(&ConnectParams::new(
             dev.port,
             dev.gid.index,
-            self.mtu,
+            self.lanes[lane].mtu,
             remote,
             psn,
         ))
@@ -867,7 +1339,7 @@ impl PeerShared {
             if !st.broken || st.pending.is_some() || st.outstanding > 0 || !self.recoverable(&st) {
                 return;
             }
-            let (qp, psn, ep) = match self.new_qp() {
+            let (qp, psn, ep) = match self.new_qp(lane) {
                 Ok(x) => x,
                 Err(e) => {
                     tracing::warn!(lane, error = %e, "cannot create a queue pair to reconnect");
@@ -887,6 +1359,11 @@ impl PeerShared {
     }
 
     fn on_msg(&self, d: &[u8]) -> Result<(), Error> {
+        match d.first() {
+            Some(&MSG_KEYS_REQ) => return self.on_keys_req(d),
+            Some(&MSG_KEYS) => return self.on_keys(d),
+            _ => {}
+        }
         if d.len() != MSG_LEN {
             return Err(Error::Protocol("rdma control message: bad length".into()));
         }
@@ -913,8 +1390,8 @@ impl PeerShared {
                     }
                 }
                 st.pending = None;
-                let made = self.new_qp().and_then(|(qp, psn, my_ep)| {
-                    self.connect_qp(&qp, psn, ep).map(|()| (qp, my_ep))
+                let made = self.new_qp(lane).and_then(|(qp, psn, my_ep)| {
+                    self.connect_qp(lane, &qp, psn, ep).map(|()| (qp, my_ep))
                 });
                 let (qp, my_ep) = match made {
                     Ok(x) => x,
@@ -948,7 +1425,7 @@ impl PeerShared {
                     st.pending = Some((qp, psn, mine));
                     return Ok(());
                 }
-                if let Err(e) = self.connect_qp(&qp, psn, ep) {
+                if let Err(e) = self.connect_qp(lane, &qp, psn, ep) {
                     tracing::warn!(lane, error = %e, "cannot re-establish a queue pair");
                     return Ok(());
                 }
@@ -968,6 +1445,155 @@ impl PeerShared {
             op => Err(Error::Protocol(format!("rdma control message: op {op}"))),
         }
     }
+
+    /// The region's rkey per remote device: index 0 from the announcement, the others from
+    /// the key table (0 = not known yet; asked for once).
+    fn rkeys_for(&self, id: RegionId, first: u32, ask: &mut Vec<RegionId>) -> Arc<[u32]> {
+        if self.remote_devs <= 1 {
+            return Arc::from(vec![first]);
+        }
+        if let Some(k) = self.keys.read().get(&id) {
+            if k.first() == Some(&first) {
+                return k.clone();
+            }
+            let mut v = k.to_vec();
+            v[0] = first;
+            return Arc::from(v);
+        }
+        if self.lanes.iter().any(|l| l.rdev != 0) {
+            let mut asked = self.asked.lock();
+            if asked.len() >= MAX_KEYS {
+                asked.clear();
+            }
+            if asked.insert(id) {
+                ask.push(id);
+            }
+        }
+        let mut v = vec![0u32; self.remote_devs];
+        v[0] = first;
+        Arc::from(v)
+    }
+
+    /// Asks the peer for the rkeys of its regions on every device.
+    fn request_keys(&self, ids: &[RegionId]) {
+        const PER_MSG: usize = (crate::wire::MAX_TRANSPORT_MSG - 3) / 8;
+        for chunk in ids.chunks(PER_MSG) {
+            let mut d = Vec::with_capacity(3 + chunk.len() * 8);
+            d.push(MSG_KEYS_REQ);
+            d.extend_from_slice(&(chunk.len() as u16).to_le_bytes());
+            for id in chunk {
+                d.extend_from_slice(&id.index.to_le_bytes());
+                d.extend_from_slice(&id.generation.to_le_bytes());
+            }
+            let sent = self.ctrl.send(&CtrlMsg::Transport {
+                bit: TRANSPORT_RDMA,
+                data: d,
+            });
+            if let Err(e) = sent {
+                tracing::debug!(error = %e, "rdma key request not sent");
+                let mut asked = self.asked.lock();
+                for id in chunk {
+                    asked.remove(id);
+                }
+            }
+        }
+    }
+
+    /// The peer asks for our rkeys of some regions: answer with every device's key (zeros for
+    /// a region that is not offered).
+    fn on_keys_req(&self, d: &[u8]) -> Result<(), Error> {
+        let bad = || Error::Protocol("rdma key request: bad length".into());
+        let n =
+            u16::from_le_bytes([*d.get(1).ok_or_else(bad)?, *d.get(2).ok_or_else(bad)?]) as usize;
+        if d.len() != 3 + n * 8 {
+            return Err(bad());
+        }
+        let Some(t) = self.tr.upgrade() else {
+            return Ok(());
+        };
+        let ndev = t.devs.len();
+        let entry = 8 + 4 * ndev;
+        let per_msg = (crate::wire::MAX_TRANSPORT_MSG - 4) / entry;
+        let ids: Vec<RegionId> = d[3..]
+            .chunks_exact(8)
+            .map(|c| RegionId {
+                index: u32::from_le_bytes([c[0], c[1], c[2], c[3]]),
+                generation: u32::from_le_bytes([c[4], c[5], c[6], c[7]]),
+            })
+            .collect();
+        for chunk in ids.chunks(per_msg.max(1)) {
+            let mut out = Vec::with_capacity(4 + chunk.len() * entry);
+            out.push(MSG_KEYS);
+            out.push(ndev as u8);
+            out.extend_from_slice(&(chunk.len() as u16).to_le_bytes());
+            {
+                let mrs = t.mrs.read();
+                for id in chunk {
+                    out.extend_from_slice(&id.index.to_le_bytes());
+                    out.extend_from_slice(&id.generation.to_le_bytes());
+                    let set = mrs.get(id).filter(|m| m.offered);
+                    for i in 0..ndev {
+                        let k = set.and_then(|m| m.per_dev.get(i)).map_or(0, |mr| mr.rkey());
+                        out.extend_from_slice(&k.to_le_bytes());
+                    }
+                }
+            }
+            self.ctrl.send(&CtrlMsg::Transport {
+                bit: TRANSPORT_RDMA,
+                data: out,
+            })?;
+        }
+        Ok(())
+    }
+
+    /// The peer's rkeys for some of its regions.
+    fn on_keys(&self, d: &[u8]) -> Result<(), Error> {
+        let bad = || Error::Protocol("rdma keys: bad length".into());
+        if d.len() < 4 {
+            return Err(bad());
+        }
+        let ndev = d[1] as usize;
+        let n = u16::from_le_bytes([d[2], d[3]]) as usize;
+        if ndev != self.remote_devs {
+            return Err(Error::Protocol(format!(
+                "rdma keys for {ndev} devices, the peer listed {}",
+                self.remote_devs
+            )));
+        }
+        let entry = 8 + 4 * ndev;
+        if d.len() != 4 + n * entry {
+            return Err(bad());
+        }
+        let mut keys = self.keys.write();
+        for c in d[4..].chunks_exact(entry) {
+            let w = |i: usize| u32::from_le_bytes([c[i], c[i + 1], c[i + 2], c[i + 3]]);
+            let id = RegionId {
+                index: w(0),
+                generation: w(4),
+            };
+            let v: Vec<u32> = (0..ndev).map(|i| w(8 + 4 * i)).collect();
+            if v.iter().all(|k| *k == 0) {
+                keys.remove(&id);
+                continue;
+            }
+            if keys.len() >= MAX_KEYS && !keys.contains_key(&id) {
+                keys.clear();
+                self.asked.lock().clear();
+            }
+            keys.insert(id, Arc::from(v));
+        }
+        Ok(())
+    }
+
+    /// The peer withdrew regions: forget their keys.
+    fn forget_keys(&self, ids: &[RegionId]) {
+        let mut keys = self.keys.write();
+        let mut asked = self.asked.lock();
+        for id in ids {
+            keys.remove(id);
+            asked.remove(id);
+        }
+    }
 }
 
 impl PeerTransport for RdmaPeer {
@@ -980,16 +1606,17 @@ impl PeerTransport for RdmaPeer {
         if sh.closed() {
             return Err(Error::PeerDead("peer closed".into()));
         }
-        let dev = sh.dev.upgrade().ok_or(Error::Shutdown)?;
+        let tr = sh.tr.upgrade().ok_or(Error::Shutdown)?;
         // Cut into WRs first (typed errors before anything is posted).
         struct Cut {
             wr: Wr,
             region: RegionId,
-            mr: Arc<MrEntry>,
+            mr: Arc<MrSet>,
         }
         let mut cuts: Vec<Cut> = Vec::new();
+        let mut ask: Vec<RegionId> = Vec::new();
         {
-            let mrs = dev.mrs.read();
+            let mrs = tr.mrs.read();
             for x in &b.xfers {
                 // Not registered any more: the region was unregistered meanwhile.
                 let mr = mrs
@@ -1007,13 +1634,17 @@ impl PeerTransport for RdmaPeer {
                     .addr
                     .checked_add(x.remote_offset)
                     .ok_or_else(|| Error::InvalidArgument("remote address overflow".into()))?;
+                let rkeys = sh.rkeys_for(x.remote.id, x.remote.rkey, &mut ask);
+                let first = mr
+                    .per_dev
+                    .first()
+                    .ok_or_else(|| Error::Unsupported("no RDMA device".into()))?;
                 let mut done = 0u64;
                 while done < x.len {
                     let n = (x.len - done).min(sh.slice);
                     let lo = usize::try_from(x.local_offset + done)
                         .map_err(|_| Error::InvalidArgument("offset too large".into()))?;
-                    let sge = mr
-                        .mr
+                    let sge = first
                         .sge(lo, n as usize)
                         .map_err(|e| Error::InvalidArgument(e.to_string()))?;
                     cuts.push(Cut {
@@ -1022,11 +1653,10 @@ impl PeerTransport for RdmaPeer {
                                 Dir::Write => SendOp::Write,
                                 Dir::Read => SendOp::Read,
                             },
-                            sge,
-                            remote: RemoteSlice {
-                                addr: base + done,
-                                rkey: x.remote.rkey,
-                            },
+                            laddr: sge.addr,
+                            len: sge.length,
+                            raddr: base + done,
+                            rkeys: rkeys.clone(),
                         },
                         region: x.remote.id,
                         mr: mr.clone(),
@@ -1078,12 +1708,41 @@ impl PeerTransport for RdmaPeer {
             st.fail(e.duplicate());
             return Err(e);
         }
-        let start = sh.next_lane.fetch_add(1, Ordering::Relaxed) as usize;
+        // Round-robin over the target lanes whose remote device has the region's key (the
+        // announced key of the remote's first device is always there).
+        let n = cuts.len() as u32;
+        let start = sh.next_lane.fetch_add(n, Ordering::Relaxed) as usize;
         let mut by_lane: Vec<Vec<u64>> = vec![Vec::new(); sh.lanes.len()];
+        let mut eligible: Vec<usize> = Vec::with_capacity(targets.len());
+        let mut eligible_for: Option<Arc<[u32]>> = None;
         {
             let mut m = sh.wrs.lock();
             for (i, c) in cuts.into_iter().enumerate() {
-                let lane = targets[(start + i) % targets.len()];
+                if !eligible_for
+                    .as_ref()
+                    .is_some_and(|k| Arc::ptr_eq(k, &c.wr.rkeys))
+                {
+                    eligible.clear();
+                    eligible.extend(
+                        targets
+                            .iter()
+                            .copied()
+                            .filter(|&l| c.wr.rkeys.get(sh.lanes[l].rdev).is_some_and(|k| *k != 0)),
+                    );
+                    eligible_for = Some(c.wr.rkeys.clone());
+                }
+                if eligible.is_empty() {
+                    for id in by_lane.iter().flatten() {
+                        m.remove(id);
+                    }
+                    drop(m);
+                    let e = Error::PeerDead(
+                        "rdma: no usable queue pair reaches the region's device".into(),
+                    );
+                    st.fail(e.duplicate());
+                    return Err(e);
+                }
+                let lane = eligible[(start + i) % eligible.len()];
                 let id = sh.wr_id();
                 m.insert(
                     id,
@@ -1094,7 +1753,8 @@ impl PeerTransport for RdmaPeer {
                         wr: c.wr,
                         retries: 0,
                         region: c.region,
-                        _mr: c.mr,
+                        mr: c.mr,
+                        covers: Vec::new(),
                     },
                 );
                 by_lane[lane].push(id);
@@ -1105,6 +1765,9 @@ impl PeerTransport for RdmaPeer {
                 sh.submit(lane, ids);
             }
         }
+        if !ask.is_empty() {
+            sh.request_keys(&ask);
+        }
         Ok(st)
     }
 
@@ -1114,6 +1777,29 @@ impl PeerTransport for RdmaPeer {
             .iter()
             .map(|l| l.posted.load(Ordering::Relaxed))
             .collect()
+    }
+
+    fn device_counters(&self) -> Vec<(String, u64)> {
+        let Some(t) = self.sh.tr.upgrade() else {
+            return Vec::new();
+        };
+        t.devs
+            .iter()
+            .map(|d| {
+                let n = self
+                    .sh
+                    .lanes
+                    .iter()
+                    .filter(|l| l.ldev == d.index)
+                    .map(|l| l.posted.load(Ordering::Relaxed))
+                    .sum();
+                (d.name.clone(), n)
+            })
+            .collect()
+    }
+
+    fn regions_removed(&self, ids: &[RegionId]) {
+        self.sh.forget_keys(ids);
     }
 
     fn on_ctrl(&self, data: &[u8]) -> Result<(), Error> {
@@ -1151,22 +1837,54 @@ impl PeerTransport for RdmaPeer {
     }
 }
 
-fn completion_loop(dev: Arc<Dev>) {
+fn completion_loop(sh: Arc<Shared>, dev: usize) {
     let mut out = Vec::with_capacity(64);
-    while !dev.stop.load(Ordering::Acquire) {
+    let Some(d) = sh.devs.get(dev).cloned() else {
+        return;
+    };
+    // After a round that reaped completions, and while WRs of this device are still on the
+    // NIC, poll the CQ for up to `sh.poll` before arming it and sleeping on the channel: the
+    // next completion is usually that close, and the sleep/wake-up costs more. Never while
+    // idle: a round that reaped nothing (the wait timed out) disables the window.
+    let mut active = false;
+    while !sh.stop.load(Ordering::Acquire) {
         out.clear();
-        match dev.cq.wait(&mut out, 64, Duration::from_millis(200)) {
-            Ok(_) => {}
-            Err(VerbsError::Timeout(_)) => continue,
-            Err(e) => {
-                tracing::warn!(error = %e, "rdma completion queue failed");
-                std::thread::sleep(Duration::from_millis(50));
-                continue;
+        if active && !sh.poll.is_zero() && d.inflight.load(Ordering::Acquire) > 0 {
+            let t0 = Instant::now();
+            loop {
+                match d.cq.poll(&mut out, 64) {
+                    Ok(0) => {}
+                    Ok(_) => break,
+                    Err(e) => {
+                        tracing::warn!(device = %d.name, error = %e, "rdma completion queue poll failed");
+                        break;
+                    }
+                }
+                if t0.elapsed() >= sh.poll || d.inflight.load(Ordering::Acquire) == 0 {
+                    break;
+                }
+                std::hint::spin_loop();
             }
         }
+        if out.is_empty() {
+            match d.cq.wait(&mut out, 64, Duration::from_millis(200)) {
+                Ok(_) => {}
+                Err(VerbsError::Timeout(_)) => {
+                    active = false;
+                    continue;
+                }
+                Err(e) => {
+                    tracing::warn!(device = %d.name, error = %e, "rdma completion queue failed");
+                    std::thread::sleep(Duration::from_millis(50));
+                    active = false;
+                    continue;
+                }
+            }
+        }
+        active = !out.is_empty();
         for c in out.drain(..) {
             let key = (c.wr_id >> 32) as u32;
-            let peer = dev.peers.lock().get(&key).and_then(|w| w.upgrade());
+            let peer = sh.peers.lock().get(&key).and_then(|w| w.upgrade());
             let Some(p) = peer else { continue };
             p.complete(c.wr_id, c.result.map(|_| ()).map_err(|e| e.status));
         }
@@ -1177,29 +1895,105 @@ fn completion_loop(dev: Arc<Dev>) {
 mod tests {
     use super::*;
 
+    fn ep(q: u32) -> Endpoint {
+        Endpoint {
+            gid: verbs::Gid([1; 16]),
+            qpn: q,
+            psn: 3,
+            lid: 0,
+        }
+    }
+
+    fn blob(devs: &[(u8, u8, &[Endpoint])]) -> Vec<u8> {
+        let mut b = vec![7u8; 16];
+        b.push(devs.len() as u8);
+        for (mtu, link, eps) in devs {
+            b.extend_from_slice(&[1, 1, *mtu, *link, eps.len() as u8]);
+            for e in *eps {
+                b.extend_from_slice(&e.to_bytes());
+            }
+        }
+        b
+    }
+
     #[test]
     fn blob_parsing_rejects_malformed_input() {
         assert!(parse_blob(&[]).is_err());
-        let mut b = vec![0u8; BLOB_HEAD];
-        b[18] = 5;
-        b[19] = 0;
-        assert!(parse_blob(&b).is_err()); // no endpoints
-        b[19] = 1;
-        assert!(parse_blob(&b).is_err()); // count without bytes
-        let ep = Endpoint {
-            gid: verbs::Gid([1; 16]),
-            qpn: 17,
-            psn: 3,
-            lid: 0,
-        };
-        b.extend_from_slice(&ep.to_bytes());
-        let p = parse_blob(&b).expect("valid blob");
-        assert_eq!(p.endpoints, vec![ep]);
-        assert_eq!(p.mtu, Mtu::M4096);
-        b[18] = 9;
-        assert!(parse_blob(&b).is_err()); // bad MTU
-        b[18] = 5;
-        b[BLOB_HEAD + 16..BLOB_HEAD + 20].copy_from_slice(&0u32.to_be_bytes());
+        assert!(parse_blob(&blob(&[])).is_err()); // no devices
+        let good = blob(&[(5, LINK_ETH_V4, &[ep(17), ep(18)]), (3, LINK_IB, &[ep(19)])]);
+        let p = parse_blob(&good).expect("valid blob");
+        assert_eq!(p.nonce, [7u8; 16]);
+        assert_eq!(p.devs.len(), 2);
+        assert_eq!(p.devs[0].endpoints, vec![ep(17), ep(18)]);
+        assert_eq!(p.devs[0].mtu, Mtu::M4096);
+        assert_eq!(p.devs[1].mtu, Mtu::M1024);
+        assert_eq!(p.devs[1].link, LINK_IB);
+        // every truncation is refused
+        for n in 0..good.len() {
+            assert!(parse_blob(&good[..n]).is_err(), "truncated to {n}");
+        }
+        let mut long = good.clone();
+        long.push(0);
+        assert!(parse_blob(&long).is_err()); // trailing byte
+        assert!(parse_blob(&blob(&[(9, LINK_ETH_V4, &[ep(1)])])).is_err()); // bad MTU
+        assert!(parse_blob(&blob(&[(5, 0, &[ep(1)])])).is_err()); // bad link class
+        assert!(parse_blob(&blob(&[(5, LINK_ETH_V4, &[])])).is_err()); // no endpoints
+        let mut b = blob(&[(5, LINK_ETH_V4, &[ep(1)])]);
+        b[BLOB_HEAD + BLOB_DEV_HEAD + 16..BLOB_HEAD + BLOB_DEV_HEAD + 20]
+            .copy_from_slice(&0u32.to_be_bytes());
         assert!(parse_blob(&b).is_err()); // QPN 0
+        let mut b = good.clone();
+        b[16] = 200; // more devices than allowed
+        assert!(parse_blob(&b).is_err());
+    }
+
+    #[test]
+    fn device_pairing_is_rail_aligned_and_the_same_from_both_sides() {
+        let e4 = LINK_ETH_V4;
+        // equal lists: rail to rail
+        assert_eq!(
+            pair_devices(&[e4, e4, e4], &[e4, e4, e4]),
+            vec![(0, 0), (1, 1), (2, 2)]
+        );
+        // fewer remote devices: the extra local ones have no partner
+        assert_eq!(pair_devices(&[e4, e4, e4], &[e4, e4]), vec![(0, 0), (1, 1)]);
+        // link classes must match: IB never pairs with RoCE
+        assert_eq!(
+            pair_devices(&[LINK_IB, e4], &[e4, LINK_IB]),
+            vec![(0, 1), (1, 0)]
+        );
+        assert!(pair_devices(&[LINK_IB], &[e4, LINK_ETH_V6]).is_empty());
+        assert!(pair_devices(&[e4], &[]).is_empty());
+        // the side that decides is the same for both (smaller nonce): transposing the result
+        // from the other side gives the same pairs
+        let a = [e4, LINK_IB, e4];
+        let b = [LINK_IB, e4];
+        let from_a = pair_devices(&a, &b);
+        let seen_by_b: Vec<(usize, usize)> = from_a.iter().map(|&(x, y)| (y, x)).collect();
+        assert_eq!(from_a, vec![(0, 1), (1, 0)]);
+        assert_eq!(seen_by_b, vec![(1, 0), (0, 1)]);
+    }
+
+    #[test]
+    fn device_lists_and_natural_order() {
+        assert_eq!(device_list(" rxe0, rxe1 ,,rxe0"), vec!["rxe0", "rxe1"]);
+        assert!(device_list(" , ").is_empty());
+        let mut v = vec!["mlx5_10", "mlx5_2", "mlx5_1", "irdma0"];
+        v.sort_by_key(|n| natural_key(n));
+        assert_eq!(v, vec!["irdma0", "mlx5_1", "mlx5_2", "mlx5_10"]);
+        let cfg = EngineConfig {
+            rdma_device: Some("a,b".into()),
+            ..Default::default()
+        };
+        assert_eq!(wanted_devices(&cfg), Some(vec!["a".into(), "b".into()]));
+        let cfg = EngineConfig {
+            rdma_device: Some("a".into()),
+            rdma_devices: vec!["c".into(), "d,e".into()],
+            ..Default::default()
+        };
+        assert_eq!(
+            wanted_devices(&cfg),
+            Some(vec!["c".into(), "d".into(), "e".into()])
+        );
     }
 }
