@@ -15,8 +15,10 @@
 use crate::error::Error;
 use crate::region::{Access, RegionId};
 
-/// Protocol version spoken by this build.
-pub const PROTOCOL_VERSION: u16 = 2;
+/// Protocol version spoken by this build. 3: notification fences (a `Transport` control message
+/// with bit 0x80) and per-device RDMA key requests; a version-2 peer is refused at the handshake
+/// instead of dropping the control connection later.
+pub const PROTOCOL_VERSION: u16 = 3;
 /// Magic of data-lane frames.
 pub const FRAME_MAGIC: [u8; 4] = *b"KVWF";
 /// Magic of control messages.
