@@ -60,8 +60,9 @@
 //!   loaded destination.
 //!
 //! All terms are non-negative, so predictions never decrease with bytes, layers or load.
-//! The top-level `terms` are a least-squares fit (the conditional mean); `quantiles.p50` and
-//! `quantiles.p90` are quantile fits: `p90` predicts a time the request beats 9 times in 10.
+//! The top-level `terms` are a least-squares fit (the conditional mean); `quantiles.p50` minimises
+//! the mean *relative* error (a median weighted by 1/actual, so it sits slightly below the plain
+//! median); `quantiles.p90` is a quantile fit: it predicts a time the request beats 9 times in 10.
 
 use std::path::Path;
 
@@ -232,7 +233,7 @@ impl Terms {
 pub enum Quantile {
     /// The top-level `terms` (least squares: the conditional mean).
     Mean,
-    /// `quantiles.p50`: the median clock.
+    /// `quantiles.p50`: the typical clock, fitted for the least mean relative error.
     P50,
     /// `quantiles.p90`: a clock 90% of requests beat.
     P90,

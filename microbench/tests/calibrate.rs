@@ -795,3 +795,59 @@ fn cli_fits_writes_the_model_and_reports_bad_lines() {
     assert!(String::from_utf8_lossy(&o.stderr).contains("skipped line 1"));
     let _ = std::fs::remove_dir_all(&dir);
 }
+
+/// Records whose inputs are all the same, 40% with a 1 s clock and 60% with a 2 s clock: each
+/// fit's objective has a known answer, and they differ. The p50 terms minimise the mean
+/// relative error `Σ |pred − actual| / actual` (the docs): the 1 s records weigh 0.4 · 1/1,
+/// the 2 s ones 0.6 · 1/2, so 1 s. An absolute median (unweighted check loss) would give 2 s,
+/// the p90 quantile is 2 s, and the least-squares mean is 1.6 s.
+#[test]
+fn p50_fit_minimises_mean_relative_error_not_absolute_error() {
+    let mut text = String::new();
+    for i in 0..1000u64 {
+        let secs: u64 = if i % 5 < 2 { 1 } else { 2 };
+        let start = 1_000_000_000u64 + i * 1_000;
+        let end = start + secs * 1_000_000_000;
+        text.push_str(&format!(
+            "{{\"req\":{i},\"decode_sent\":{start},\"first_token\":{end},\"bytes\":1000000,\
+             \"layers\":8,\"transport\":\"shm\"}}\n"
+        ));
+    }
+    let recs = samples_of(&text);
+    let (train, _) = split(&recs);
+    let ones = train.iter().filter(|s| s.seconds < 1.5).count() as f64 / train.len() as f64;
+    // The hash split keeps the 40/60 mix close enough that 1 s stays the weighted median
+    // (needs ones / 1 > (1 − ones) / 2, i.e. ones > 1/3) and 2 s the plain one (ones < 1/2).
+    assert!(
+        (0.36..0.46).contains(&ones),
+        "training share of 1 s clocks {ones}"
+    );
+    let c = calibrate(&recs, &opts()).expect("fit");
+    let m = &c.model;
+    eprintln!("{}", c.table());
+    assert!(
+        rel(m.quantiles.p50.fixed_s, 1.0) < 1e-3,
+        "{:?}",
+        m.quantiles.p50
+    );
+    assert!(
+        rel(m.quantiles.p90.fixed_s, 2.0) < 1e-3,
+        "{:?}",
+        m.quantiles.p90
+    );
+    let mean = 2.0 - ones;
+    assert!(rel(m.terms.fixed_s, mean) < 1e-9, "{:?} vs {mean}", m.terms);
+    // It is the minimum: moving the p50 prediction either way raises the training records'
+    // mean relative error.
+    let mre = |p: f64| {
+        train
+            .iter()
+            .map(|s| (p - s.seconds).abs() / s.seconds)
+            .sum::<f64>()
+    };
+    let p = m.quantiles.p50.fixed_s;
+    assert!(mre(p) < mre(p * 1.05) && mre(p) < mre(p * 0.95));
+    assert!(mre(p) < mre(2.0), "the absolute median would do worse");
+    // 40% of held-out clocks are at or below a 1 s prediction.
+    assert!((0.25..0.55).contains(&c.p50_coverage), "{}", c.p50_coverage);
+}

@@ -25,7 +25,7 @@ uncached tokens, ``src_running_tokens`` the uncached tokens of the step P is run
 not computed yet, and ``src_pending_bytes`` the KV bytes P sends before this request's (what is
 not yet sent of requests already prefilled, plus those running and queued ahead). The five
 source-side terms are optional in a file (absent means 0), and the inputs default to 0.
-``quantile`` picks the term set: ``"p50"`` (median clock), ``"p90"`` (a clock 9
+``quantile`` picks the term set: ``"p50"`` (typical clock, fitted for the least relative error), ``"p90"`` (a clock 9
 requests in 10 beat) or ``"mean"`` (the top-level least-squares terms).
 
 Example::
