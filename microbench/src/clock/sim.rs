@@ -672,6 +672,13 @@ impl Cell<'_> {
         // the speed measured on this layer (raw) or the median over recent layers.
         let fixed = self.fixed.min(t.wall);
         let variable = t.wall - fixed;
+        // Frozen: nothing measured on this layer may reach the virtual clock (a layer faster
+        // than the probed fixed cost would otherwise shorten it), so every run of the same
+        // workload gets the same timeline whatever the host's load.
+        let fixed = match self.cfg.link_speed {
+            LinkSpeed::Frozen => self.fixed,
+            LinkSpeed::Raw | LinkSpeed::Window => fixed,
+        };
         let typical = self.dp.typical_ns_per_byte(variable, t.bytes);
         let var_ns = match self.cfg.link_speed {
             LinkSpeed::Raw => variable.as_nanos() as f64,
