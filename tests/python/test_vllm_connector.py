@@ -16,6 +16,7 @@ from kvwire.vllm import KvwireConnector, KvwireConnectorMetadata  # noqa: E402
 from vllm_harness import LAYERS, RequestStatus, Side, free_port, kv_pattern, make_request, model_dir, p_fill  # noqa: E402
 
 MAX_STEPS = 60  # every loop below is bounded
+PEER_TIMEOUT = 600.0  # s; see the pair fixture
 
 
 @pytest.fixture(scope="module")
@@ -30,7 +31,10 @@ def pair(mdir):
     def make(d_extra=None, p_extra=None, **kw):
         # auto: shm on this host (a completed notified batch has its notification queued at the
         # target on every transport); KVWIRE_TEST_TRANSPORT=tcp forces TCP.
-        base = {"transport": os.environ.get("KVWIRE_TEST_TRANSPORT", "auto")}
+        # Both sides step on this one thread, so a side is silent for as long as the other's step
+        # runs: peer liveness (a wall-clock judgement, 3 s by default) would declare a peer down
+        # whenever a step stalls on a loaded box. Tests about liveness pass their own value.
+        base = {"transport": os.environ.get("KVWIRE_TEST_TRANSPORT", "auto"), "peer_timeout": PEER_TIMEOUT}
         d = Side("kv_consumer", {**base, "data_listen": f"127.0.0.1:{free_port()}", **(d_extra or {})}, mdir, **kw)
         p = Side("kv_producer", {**base, "data_listen": f"127.0.0.1:{free_port()}", **(p_extra or {})}, mdir)
         sides.extend([d, p])
@@ -194,6 +198,9 @@ def test_failed_transfer_takes_the_load_error_path(pair, policy):
     preq = p_request("r5", d)
     p.sched.add_request(preq)
     reserved = []
+    if dreq.status == RequestStatus.WAITING_FOR_REMOTE_KVS:  # eager: reserved at arrival (the
+        # failure may end the request within the first step of the loop below)
+        reserved.extend(d.sched.kv_cache_manager.get_block_ids("d/r5")[0])
 
     def d_step():
         d.step()
@@ -257,3 +264,55 @@ def test_p_dies_while_d_waits(pair):
     assert dreq.is_finished()
     assert dreq.status != RequestStatus.FINISHED_LENGTH_CAPPED
     assert_no_leak(d)
+
+
+def test_long_forward_does_not_declare_a_heard_peer_down(pair):
+    """P's forward runs longer than P's peer_timeout while D keeps running and sending to P:
+    after the forward, P takes in D's queued messages before judging D's liveness, so D stays
+    up and the request is not failed."""
+    import time
+
+    timeout = 2.0
+    d, p = pair({"policy": "lazy"}, {"send_mode": "whole", "peer_timeout": timeout})
+    dreq = d_request("r8", p)
+    d.sched.add_request(dreq)
+    for _ in range(2):
+        d.step()
+        p.step()
+    preq = p_request("r8", d)
+    p.sched.add_request(preq)
+
+    def delivered():
+        return p.conn._sched.control.engine.metrics()["notifications_delivered"]
+
+    # P's step below starts right after D sent it something (a heartbeat), so that P has heard
+    # from D just before its forward whatever the step times were so far.
+    seen = delivered()
+    assert run_until(lambda: delivered() != seen, lambda: time.sleep(0.05), d.step), "D sent nothing to P"
+
+    stalled = []
+
+    def long_forward(side, so, li, name):
+        p_fill(side, so, li, name)
+        if stalled or not so.scheduled_new_reqs:
+            return
+        # P's first forward of the request: D runs meanwhile until P's liveness tick is due
+        # with D silent (as P last saw it) for longer than the timeout, and a message from D
+        # arrived at P since P last looked.
+        stalled.append(1)
+        since, seen = time.monotonic(), delivered()
+        cap = time.monotonic() + 60  # safety cap only: the loop ends on progress, not on this
+        while time.monotonic() - since < 1.5 * timeout or delivered() == seen:
+            assert time.monotonic() < cap, "D sent nothing to P within 60 s of stepping"
+            d.step()
+            time.sleep(0.02)
+
+    p.step(long_forward)
+    assert stalled and preq.is_finished()
+    assert "p/r8" in p.conn._sched.p_delayed, "D was declared down although its messages were queued"
+    assert not any('"outcome":"failed"' in r for r in p.conn._sched.timeline)
+    # Cleanup only (P's short timeout makes outcomes past this point depend on step times).
+    d.sched.finish_requests("d/r8", RequestStatus.FINISHED_ABORTED)
+    assert run_until(lambda: not d.sched.requests and not p.sched.requests, d.step, p.step)
+    assert_no_leak(d)
+    assert_no_leak(p)

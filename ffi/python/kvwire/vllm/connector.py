@@ -354,26 +354,47 @@ class _SchedulerSide:
         self.lock = threading.Lock()
         self.deltas = _stats.DeltaTracker("scheduler")
         self.stats_at = None
+        # Idle fast path: the cores are polled only when a call into them since the last poll may
+        # have queued actions or timeline records (_dirty: every event call sets it) or when
+        # their earliest deadline (_deadline, ns, as of the last poll) is due.
+        self._dirty = True
+        self._deadline = None
+        # The metadata of a step with nothing for the workers (built once, handed out again
+        # while still empty; neither vLLM nor the worker side mutates metadata).
+        self._empty_meta = None
 
     # -- helpers --
     def _params(self, request):
         return getattr(request, "kv_transfer_params", None) or {}
 
     def _run_actions(self, now):
-        for core, side in ((self.d, "d"), (self.p, "p")):
-            if core is None:
-                continue
+        if not self._dirty and (self._deadline is None or now < self._deadline):
+            return  # no core call since the last poll and no deadline due: nothing can be queued
+        cores = [(core, side) for core, side in ((self.d, "d"), (self.p, "p")) if core is not None]
+        if any((t := core.poll_timeout()) is not None and t <= now for core, _ in cores):
+            # Deadlines judge peer liveness: first take in what the peers already delivered
+            # (a scheduler step longer than peer_timeout must not declare a peer down whose
+            # heartbeats are waiting in our queue).
+            self._drain(now)
+        # Cleared before polling: an action handler that calls into a core sets it again.
+        self._dirty = False
+        deadline = None
+        for core, side in cores:
             if (t := core.poll_timeout()) is not None and t <= now:
                 core.handle_timeout(now)
             for a in core.poll_actions():
                 getattr(self, f"_{side}_action")(a, now)
             self.timeline.extend(core.poll_timeline())
+            if (t := core.poll_timeout()) is not None and (deadline is None or t < deadline):
+                deadline = t
+        self._deadline = deadline
 
     def _send(self, core, peer, payload, now):
         try:
             self.control.send(peer, KIND_TO_D if core is self.p else KIND_TO_P, payload)
         except kvwire.KvwireError as e:
             logger.warning("kvwire: peer %s unreachable: %s", self.control.addr_of(peer), e)
+            self._dirty = True
             core.peer_down(peer, now)
 
     def _d_action(self, a, now):
@@ -437,7 +458,24 @@ class _SchedulerSide:
 
     def _poll(self):
         now = _now()
-        for kind, control, data, payload in self.control.drain():
+        self._drain(now)
+        self._run_actions(now)
+
+    def _drain(self, now):
+        """Hands every queued control message to its core (their actions run in
+        ``_run_actions``)."""
+        # The common case, an empty queue, costs one call into the engine.
+        first = self.control.engine.try_get_notification()
+        if first is None:
+            return
+        try:
+            msgs = [decode_envelope(bytes(first.tag))]
+        except (ValueError, UnicodeDecodeError, struct.error):
+            self.control.bad_messages += 1
+            msgs = []
+        msgs += self.control.drain()
+        self._dirty = True  # the messages below go into the cores
+        for kind, control, data, payload in msgs:
             pid = self.control.peer_id(control)
             if data:
                 self.peer_data[pid] = data
@@ -464,7 +502,6 @@ class _SchedulerSide:
                         self.p.transfer_failed(key, layer, now)
                 except kvwire.ConnectorError as e:
                     logger.debug("kvwire: transfer report refused: %s", e)
-        self._run_actions(now)
 
     # -- vLLM hooks --
     def get_num_new_matched_tokens(self, request, num_computed_tokens):
@@ -479,6 +516,7 @@ class _SchedulerSide:
             now = _now()
             peer = self.control.peer_id(str(params["remote_control"]))
             blocks = -(-request.num_prompt_tokens // self.c._block_size)
+            self._dirty = True
             try:
                 self.d.arrived(key, peer, max(tokens, 1), blocks, now)
             except kvwire.ConnectorError as e:
@@ -507,6 +545,7 @@ class _SchedulerSide:
                 self.out_failed[req] = ids
                 self._forget_d(key)
                 return
+            self._dirty = True
             try:
                 self.d.reserved(key, ids, now)
             except kvwire.ConnectorError as e:
@@ -533,6 +572,7 @@ class _SchedulerSide:
         need = -(-info[1] // self.c._block_size) if info else 0
         if info is None or len(block_ids) < need:
             return False
+        self._dirty = True
         try:
             self.p.scheduled(key, info[0], info[1], list(block_ids[:need]), now)
             self.p_scheduled.add(key)
@@ -544,8 +584,11 @@ class _SchedulerSide:
     def build_connector_meta(self, scheduler_output):
         now = _now()
         self._poll()
+        if not (self._dirty or self.p_key or self.d_reported or self.out_recv or self.out_failed
+                or self.out_sending or self.out_transfers) and (self._deadline is None or now < self._deadline):
+            return self._idle_meta()  # idle: the rest of this method would do nothing
         prefilling = set()
-        if self.p is not None:
+        if self.p is not None and self.p_key:
             # Prefills that complete in this step: every layer becomes ready during it.
             for new in scheduler_output.scheduled_new_reqs:
                 key = self.p_key.get(new.req_id)
@@ -554,17 +597,19 @@ class _SchedulerSide:
                 ids = list(new.block_ids[0]) if new.block_ids else []
                 n = scheduler_output.num_scheduled_tokens.get(new.req_id, 0)
                 if self._p_schedule(key, ids, now) and new.num_computed_tokens + n >= self.p_info[key][1]:
+                    self._dirty = True
                     for layer in range(self.c._layers):
                         self.p.layer_ready(key, layer, now)
                     self.p.prefill_done(key, now)
                     self.p_done.add(key)
                     prefilling.add(key)
-        if self.d is not None:
+        if self.d is not None and self.d_reported:
             for new in scheduler_output.scheduled_new_reqs:
                 if new.req_id in self.d_reported:
                     self.d_reported.discard(new.req_id)
                     key = self.d_key.get(new.req_id)
                     if key is not None:
+                        self._dirty = True
                         try:
                             self.d.promoted(key, now)
                             self.d_promoted.add(key)
@@ -572,6 +617,8 @@ class _SchedulerSide:
                         except kvwire.ConnectorError:
                             pass
         self._run_actions(now)
+        if not (self.out_recv or self.out_failed or self.out_sending or self.out_transfers):
+            return self._idle_meta()
         # Transfers of prefills computed in this very step run during the forward (layerwise:
         # right after each layer's attention) or after it (whole); the others at its start.
         late = "layer" if self.c._send_mode == "layerwise" else "after"
@@ -586,17 +633,29 @@ class _SchedulerSide:
         self.out_recv, self.out_failed, self.out_sending, self.out_transfers = set(), {}, set(), []
         return meta
 
+    def _idle_meta(self):
+        """The metadata of a step with nothing for the workers (callers checked that nothing is
+        pending for them)."""
+        meta = self._empty_meta
+        if meta is None or meta.finished_recving or meta.failed_recving or meta.finished_sending \
+                or meta.transfers or meta.preempted_req_ids:
+            meta = self._empty_meta = KvwireConnectorMetadata(scheduler_control=self.control.addr)
+        return meta
+
     def _d_first_tokens(self, now, keys=None):
         """Reports the first token of requests promoted in the step that just ran (vLLM calls
         request_finished and update_connector_output after the step's tokens are appended)."""
         for key in list(self.d_first_pending if keys is None else keys):
             self.d_first_pending.discard(key)
+            self._dirty = True
             try:
                 self.d.first_token(key, now)
             except kvwire.ConnectorError:
                 pass
 
     def update_connector_output(self, out):
+        if not (self._dirty or self._deadline is not None or self.d_first_pending or out.finished_recving):
+            return  # idle: nothing reported, nothing queued in the cores, no deadline pending
         now = _now()
         if self.d is not None and self.d_first_pending:
             self._d_first_tokens(now)
@@ -604,6 +663,7 @@ class _SchedulerSide:
             key = self.d_key.get(req)
             if key is None:
                 continue
+            self._dirty = True
             try:
                 self.d.reported(key, now)
                 self.d_reported.add(req)
@@ -617,6 +677,7 @@ class _SchedulerSide:
         now = _now()
         key = self.d_key.get(req)
         if key is not None and self.d is not None:
+            self._dirty = True
             if key in self.d_promoted:  # a normal end: the blocks are the request's
                 self.d_promoted.discard(key)
                 if key in self.d_first_pending:
@@ -643,6 +704,7 @@ class _SchedulerSide:
             return False, None
         key = self.p_key.get(req)
         if key is not None and self.p is not None and request.status == RequestStatus.FINISHED_ABORTED:
+            self._dirty = True
             scheduled = key in self.p_scheduled
             if scheduled:
                 self.p_delayed.add(req)  # transfers may be reading the blocks: wait for release
@@ -656,6 +718,7 @@ class _SchedulerSide:
             self._forget_p(key)
             return False, None
         if key is not None and self.p is not None:
+            self._dirty = True
             if key not in self.p_scheduled and not self._p_schedule(key, block_ids, now):
                 self._forget_p(key)
                 return False, None
