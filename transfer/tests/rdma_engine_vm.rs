@@ -711,6 +711,13 @@ fn in_guest() {
     let d0 = std::env::var("KVWIRE_RXE_DEV0").unwrap_or_else(|_| "rxe0".into());
     let d1 = std::env::var("KVWIRE_RXE_DEV1").unwrap_or_else(|_| "rxe1".into());
     let (d0, d1) = (d0.as_str(), d1.as_str());
+    // The knobs this run's data path uses (they reach the guest from the host's environment).
+    for k in ["KVWIRE_RDMA_SIGNAL_EVERY", "KVWIRE_RDMA_POLL_US"] {
+        println!(
+            "{k}={}",
+            std::env::var(k).unwrap_or_else(|_| "(default)".into())
+        );
+    }
     let p = pair(&[d0], &[d1], TransportKind::Rdma);
     assert_eq!(p.peer.transport(), TransportKind::Rdma);
     writes_of_many_sizes(&p);
