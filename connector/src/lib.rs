@@ -92,6 +92,7 @@ pub mod msg;
 pub(crate) mod peers;
 pub mod pside;
 pub mod sim;
+pub mod steploop;
 pub mod timeline;
 pub(crate) mod timer;
 pub mod types;
