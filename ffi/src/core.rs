@@ -13,25 +13,13 @@
 //! Refused events raise `kvwire.ConnectorError` and change nothing.
 
 use kvwire_connector::{
-    DAction, DConfig, DEvent, DSide, FailReason, Message, PAction, PConfig, PEvent, PSide, PeerId,
-    Policy, RequestId, SendMode,
+    DAction, DConfig, DEvent, DSide, Message, PAction, PConfig, PEvent, PSide, PeerId, Policy,
+    RequestId, SendMode,
 };
 use pyo3::prelude::*;
 use pyo3::types::{PyBytes, PyDict, PyTuple};
 
 use crate::errors::{invalid, ConnectorError};
-
-fn reason_name(r: FailReason) -> &'static str {
-    match r {
-        FailReason::PeerDown => "peer_down",
-        FailReason::PeerRestarted => "peer_restarted",
-        FailReason::LocalAbort => "local_abort",
-        FailReason::RemoteAbort => "remote_abort",
-        FailReason::TransferError => "transfer_error",
-        FailReason::Timeout => "timeout",
-        FailReason::Protocol => "protocol",
-    }
-}
 
 fn encode(py: Python<'_>, m: &Message) -> PyResult<Py<PyAny>> {
     let b = m
@@ -255,7 +243,7 @@ impl DCore {
                         obj!(py, "failed"),
                         obj!(py, req.0),
                         obj!(py, blocks),
-                        obj!(py, reason_name(reason)),
+                        obj!(py, kvwire_connector::metrics::fail_reason_name(reason)),
                     ],
                 )?,
                 DAction::DisconnectPeer { peer } => {
@@ -484,7 +472,7 @@ impl PCore {
                     vec![
                         obj!(py, "failed"),
                         obj!(py, req.0),
-                        obj!(py, reason_name(reason)),
+                        obj!(py, kvwire_connector::metrics::fail_reason_name(reason)),
                     ],
                 )?,
                 PAction::DisconnectPeer { peer } => {
