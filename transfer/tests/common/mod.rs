@@ -167,16 +167,8 @@ fn run_child() -> Result<(), Box<dyn std::error::Error>> {
                             break;
                         };
                         let tag = String::from_utf8_lossy(&note.tag).to_string();
-                        let t: Vec<u64> = tag
-                            .split_whitespace()
-                            .filter_map(|x| x.parse().ok())
-                            .collect();
-                        let good = t.len() == 4 && {
-                            let mut buf = vec![0u8; t[2] as usize];
-                            e2.local_read(regions2[t[0] as usize], t[1], &mut buf)
-                                .is_ok()
-                                && mismatch(t[3], t[1], &buf).is_none()
-                        };
+                        let t = tag_fields(&tag);
+                        let good = t.len() == 4 && landed(&e2, &regions2, &t);
                         if good {
                             ok += 1;
                         } else {
@@ -200,17 +192,8 @@ fn run_child() -> Result<(), Box<dyn std::error::Error>> {
                             break;
                         };
                         let tag = String::from_utf8_lossy(&note.tag).to_string();
-                        let t: Vec<u64> = tag
-                            .split_whitespace()
-                            .filter_map(|x| x.parse().ok())
-                            .collect();
-                        let good = t.len() >= 4
-                            && (t[2] == 0 || {
-                                let mut buf = vec![0u8; t[2] as usize];
-                                e2.local_read(regions2[t[0] as usize], t[1], &mut buf)
-                                    .is_ok()
-                                    && mismatch(t[3], t[1], &buf).is_none()
-                            });
+                        let t = tag_fields(&tag);
+                        let good = landed(&e2, &regions2, &t);
                         if good {
                             ok += 1;
                         } else {
@@ -277,6 +260,24 @@ fn run_child() -> Result<(), Box<dyn std::error::Error>> {
         std::io::stdout().flush()?;
     }
     Ok(())
+}
+
+/// The numbers of a notification tag `"region offset len seed ..."`.
+fn tag_fields(tag: &str) -> Vec<u64> {
+    tag.split_whitespace()
+        .filter_map(|x| x.parse().ok())
+        .collect()
+}
+
+/// Whether the bytes a tag names (`region offset len seed`) hold their pattern now; an empty
+/// range always has.
+fn landed(e: &Engine, regions: &[RegionHandle], t: &[u64]) -> bool {
+    t.len() >= 4
+        && (t[2] == 0 || {
+            let mut buf = vec![0u8; t[2] as usize];
+            e.local_read(regions[t[0] as usize], t[1], &mut buf).is_ok()
+                && mismatch(t[3], t[1], &buf).is_none()
+        })
 }
 
 /// The leaked memory of a raw region, for use only once the region is unregistered.
