@@ -17,6 +17,11 @@
 //!
 //! Return conventions follow Mooncake: `0` success, negative failure (the reason is logged on
 //! the `kvwire.mooncake` Python logger and kept for [`TransferEngine::last_error`]).
+//!
+//! `last_error` describes the outcome of the engine's latest call that can fail, from whichever
+//! thread: every such method clears the reason when it starts and sets it when it fails, so it
+//! is empty after a success (and a failure is not reported again after a later success). With
+//! calls running on several threads at once it is the one that finished last.
 
 use std::collections::{BTreeMap, HashMap};
 use std::sync::atomic::{AtomicI64, Ordering};
@@ -459,12 +464,33 @@ fn split_hostname(s: &str) -> (String, String) {
     }
 }
 
+/// The reason of the failure of the engine's latest call that can fail (see the module
+/// documentation); empty when it succeeded.
+#[derive(Default)]
+struct LastError(Mutex<String>);
+
+impl LastError {
+    /// A call that can fail starts.
+    fn clear(&self) {
+        self.0.lock().clear();
+    }
+
+    /// It failed.
+    fn set(&self, msg: String) {
+        *self.0.lock() = msg;
+    }
+
+    fn get(&self) -> String {
+        self.0.lock().clone()
+    }
+}
+
 /// Drop-in for `mooncake.engine.TransferEngine` (P2PHANDSHAKE mode: a peer is named by its
 /// `"host:rpc_port"`).
 #[pyclass(module = "kvwire.mooncake", frozen)]
 pub struct TransferEngine {
     inner: RwLock<Option<Arc<Inner>>>,
-    last_error: Mutex<String>,
+    last_error: LastError,
 }
 
 impl TransferEngine {
@@ -480,7 +506,7 @@ impl TransferEngine {
                 let _ = logger.call_method1("warning", (msg.clone(),));
             }
         }
-        *self.last_error.lock() = msg;
+        self.last_error.set(msg);
         code
     }
 
@@ -542,7 +568,7 @@ impl TransferEngine {
     fn new() -> Self {
         TransferEngine {
             inner: RwLock::new(None),
-            last_error: Mutex::new(String::new()),
+            last_error: LastError::default(),
         }
     }
 
@@ -561,6 +587,7 @@ impl TransferEngine {
         protocol: &str,
         device_name: &str,
     ) -> i64 {
+        self.last_error.clear();
         let _ = device_name;
         if self.inner.read().is_some() {
             return self.fail(
@@ -644,6 +671,7 @@ impl TransferEngine {
         device_name: &str,
         metadata_type: &str,
     ) -> i64 {
+        self.last_error.clear();
         if !metadata_type.is_empty()
             && !metadata_type.eq_ignore_ascii_case("p2p")
             && !metadata_type.eq_ignore_ascii_case("P2PHANDSHAKE")
@@ -687,9 +715,10 @@ impl TransferEngine {
             })
     }
 
-    /// The reason of the last failure (kvwire extension; empty when none).
+    /// Why the engine's latest call that can fail failed (kvwire extension): empty when it
+    /// succeeded, as every such method clears it when it starts (or when none was made yet).
     fn last_error(&self) -> String {
-        self.last_error.lock().clone()
+        self.last_error.get()
     }
 
     /// Registers `[buffer_addr, buffer_addr+capacity)` (must be mapped read+write; the caller
@@ -702,6 +731,7 @@ impl TransferEngine {
         capacity: u64,
         location: &str,
     ) -> i64 {
+        self.last_error.clear();
         let _ = location;
         self.run(
             py,
@@ -713,6 +743,7 @@ impl TransferEngine {
 
     /// Unregisters the buffer registered at `buffer_addr`. Returns 0 or -1.
     fn unregister_memory(&self, py: Python<'_>, buffer_addr: u64) -> i64 {
+        self.last_error.clear();
         self.run(
             py,
             "unregister_memory",
@@ -730,6 +761,7 @@ impl TransferEngine {
         capacities: Vec<u64>,
         location: &str,
     ) -> i64 {
+        self.last_error.clear();
         let _ = location;
         if buffer_addresses.len() != capacities.len() {
             return self.fail(
@@ -754,6 +786,7 @@ impl TransferEngine {
 
     /// Unregisters several buffers. Returns 0 or -1 (after trying them all).
     fn batch_unregister_memory(&self, py: Python<'_>, buffer_addresses: Vec<u64>) -> i64 {
+        self.last_error.clear();
         self.run(
             py,
             "batch_unregister_memory",
@@ -772,6 +805,7 @@ impl TransferEngine {
 
     /// Allocates and registers a zeroed buffer; returns its address, or 0 on failure.
     fn allocate_managed_buffer(&self, py: Python<'_>, length: usize) -> u64 {
+        self.last_error.clear();
         let r = self.get().and_then(|i| {
             let m = ManagedBuffer::new(length).map_err(MError::Other)?;
             let addr = m.addr();
@@ -790,6 +824,7 @@ impl TransferEngine {
 
     /// Unregisters and frees a managed buffer. Returns 0 or -1.
     fn free_managed_buffer(&self, py: Python<'_>, buffer_addr: u64, length: usize) -> i64 {
+        self.last_error.clear();
         self.run(
             py,
             "free_managed_buffer",
@@ -817,6 +852,7 @@ impl TransferEngine {
         src: &[u8],
         length: usize,
     ) -> i64 {
+        self.last_error.clear();
         if length > src.len() {
             return self.fail(
                 py,
@@ -860,6 +896,7 @@ impl TransferEngine {
 
     /// Address of the first (lowest) buffer the peer `segment_name` registered, or 0.
     fn get_first_buffer_address(&self, py: Python<'_>, segment_name: &str) -> u64 {
+        self.last_error.clear();
         let r = self.get().and_then(|i| {
             py.detach(|| {
                 let r = i.remote(segment_name)?;
@@ -890,6 +927,7 @@ impl TransferEngine {
         length: u64,
         transport_hint: &str,
     ) -> i64 {
+        self.last_error.clear();
         let _ = transport_hint;
         self.sync(
             py,
@@ -915,6 +953,7 @@ impl TransferEngine {
         length: u64,
         transport_hint: &str,
     ) -> i64 {
+        self.last_error.clear();
         let _ = transport_hint;
         self.sync(
             py,
@@ -940,6 +979,7 @@ impl TransferEngine {
         lengths: Vec<u64>,
         transport_hint: &str,
     ) -> i64 {
+        self.last_error.clear();
         let _ = transport_hint;
         self.sync(
             py,
@@ -965,6 +1005,7 @@ impl TransferEngine {
         lengths: Vec<u64>,
         transport_hint: &str,
     ) -> i64 {
+        self.last_error.clear();
         let _ = transport_hint;
         self.sync(
             py,
@@ -990,6 +1031,7 @@ impl TransferEngine {
         lengths: Vec<u64>,
         transport_hint: &str,
     ) -> i64 {
+        self.last_error.clear();
         let _ = transport_hint;
         self.submit_async(
             py,
@@ -1015,6 +1057,7 @@ impl TransferEngine {
         lengths: Vec<u64>,
         transport_hint: &str,
     ) -> i64 {
+        self.last_error.clear();
         let _ = transport_hint;
         self.submit_async(
             py,
@@ -1044,6 +1087,7 @@ impl TransferEngine {
         notify: Option<Bound<'_, PyAny>>,
         transport_hint: &str,
     ) -> i64 {
+        self.last_error.clear();
         let _ = transport_hint;
         if notify.is_some() {
             return self.fail(
@@ -1086,6 +1130,7 @@ impl TransferEngine {
         length: u64,
         transport_hint: &str,
     ) -> i64 {
+        self.last_error.clear();
         let _ = transport_hint;
         self.submit_async(
             py,
@@ -1103,6 +1148,7 @@ impl TransferEngine {
     /// 1 completed, 0 running, -1 failed, -2 timed out (or unknown id: -1). A finished batch
     /// is forgotten once its status has been returned.
     fn transfer_check_status(&self, py: Python<'_>, batch_id: i64) -> i64 {
+        self.last_error.clear();
         let inner = match self.get() {
             Ok(i) => i,
             Err(e) => return self.fail(py, "transfer_check_status", e, -1),
@@ -1142,6 +1188,7 @@ impl TransferEngine {
 
     /// Waits (GIL released) for every batch id; 0 if all succeeded, -1 otherwise.
     fn get_batch_transfer_status(&self, py: Python<'_>, batch_ids: Vec<i64>) -> i64 {
+        self.last_error.clear();
         self.run(
             py,
             "get_batch_transfer_status",

@@ -4,6 +4,7 @@ processes, every byte checked at both ends; failures return -1 (never hang, neve
 import ctypes
 import hashlib
 import inspect
+import threading
 
 import pytest
 
@@ -231,4 +232,48 @@ def test_peer_reregisters_same_addresses():
     assert dst_te.unregister_memory(daddr) == 0
     assert src_te.transfer_sync_write(session, saddr, daddr, 16) == -1
     assert bytes(dst) == data
+    del src, dst
+
+
+def test_last_error_describes_the_latest_call():
+    """last_error() is cleared by every call that can fail when it starts and set when it fails:
+    after a failure it gives the reason (from any thread), after a later success it is empty."""
+    src_te, dst_te = local_engine(), local_engine()
+    assert src_te.last_error() == ""
+    data = pattern(64 * 1024, "lasterr")
+    src, saddr = local_buffer(src_te, data)
+    dst, daddr = local_buffer(dst_te, bytes(len(data)))
+    session = dst_te.get_local_hostname()
+    outside = daddr + 4 * MiB  # not inside the peer's registered memory
+    refused = "not inside a buffer the peer registered"
+    # A failing transfer, then a successful one.
+    assert src_te.transfer_sync_write(session, saddr, outside, 16) == -1
+    assert refused in src_te.last_error()
+    assert src_te.last_error() == src_te.last_error()  # reading it changes nothing
+    assert src_te.transfer_sync_write(session, saddr, daddr, len(data)) == 0, src_te.last_error()
+    assert src_te.last_error() == ""
+    assert sha(dst_te.read_bytes_from_buffer(daddr, len(data))) == sha(data)
+    # Other kinds of calls too: a failing registration, then a successful async submit and
+    # status call.
+    assert src_te.register_memory(0, 16) == -1
+    assert src_te.last_error()
+    bid = src_te.batch_transfer_async_write(session, [saddr], [daddr], [4096])
+    assert bid > 0, src_te.last_error()
+    assert src_te.last_error() == ""
+    assert src_te.get_batch_transfer_status([bid]) == 0, src_te.last_error()
+    assert src_te.last_error() == ""
+    # A failure on a worker thread is visible from another thread until a later success.
+    ret = []
+
+    def worker():
+        ret.append(src_te.transfer_sync_write(session, saddr, outside, 16))
+
+    t = threading.Thread(target=worker)
+    t.start()
+    t.join(60)
+    assert ret == [-1]
+    assert refused in src_te.last_error()
+    assert src_te.transfer_sync_write(session, saddr, daddr, 4096) == 0, src_te.last_error()
+    assert src_te.last_error() == ""
+    assert sha(dst_te.read_bytes_from_buffer(daddr, len(data))) == sha(data)
     del src, dst

@@ -26,8 +26,8 @@ use crate::transport::rdma::RdmaTransport;
 use crate::transport::shm::CopyJob;
 use crate::transport::tcp::{serve_lane, OnDead};
 use crate::transport::{
-    Dir, EstablishCtx, NotifyTracker, PeerTransport, Posted, ShmTransport, TargetCtx, TcpTransport,
-    Transport, Xfer,
+    CopyMarks, Dir, EstablishCtx, NotifyTracker, PeerTransport, Posted, ShmTransport, TargetCtx,
+    TcpTransport, Transport, Xfer,
 };
 use crate::wire::{
     self, CtrlMsg, HostIdentity, WireRegion, TRANSPORT_RDMA, TRANSPORT_SHM, TRANSPORT_TCP,
@@ -177,6 +177,8 @@ pub(crate) struct PeerInner {
     passive: Vec<Arc<dyn PeerTransport>>,
     our_token: [u8; 16],
     inbound_lanes: Mutex<Vec<TcpStream>>,
+    /// What this peer's TCP lane threads are copying (see `Core::await_copies`).
+    marks: Arc<CopyMarks>,
     dead: AtomicBool,
     /// Same host: region announcements carry the shm keys (fd, inode, address).
     same_host: bool,
@@ -537,9 +539,10 @@ impl Engine {
     /// Registers caller-owned memory.
     ///
     /// # Safety
-    /// `ptr..ptr+len` must stay valid for reads and writes until `unregister` returns and every
-    /// batch that used the region has completed; the caller must not hold Rust references into it
-    /// while peers may write (remote writes land at any time).
+    /// `ptr..ptr+len` must stay valid for reads and writes until [`Engine::unregister`] of the
+    /// region returned `Ok` (after an error it must stay valid, see there), and, over RDMA,
+    /// until every batch that used the region has completed; the caller must not hold Rust
+    /// references into it while peers may write (remote writes land at any time).
     pub unsafe fn register_raw(
         &self,
         ptr: *mut u8,
@@ -554,40 +557,66 @@ impl Engine {
 
     /// Unregisters a region; its handle and id become stale everywhere.
     ///
-    /// For caller memory ([`Engine::register_raw`]) offered to peers, same-host peers copy into
-    /// it directly (shm), so this waits until every such peer confirmed that it withdrew the
-    /// region and that none of its copies into it is still running; copies it has not started
-    /// fail with [`Error::StaleRegion`]. Once this returns `Ok`, no peer writes into the memory.
-    /// A peer that does not confirm within `EngineConfig::default_deadline` is disconnected and
+    /// From the moment this begins, this engine's threads refuse every copy into or out of the
+    /// region's memory with [`Error::StaleRegion`]: TCP slices a peer writes into it or reads
+    /// from it (the peer's batch fails with `StaleRegion`), data of our TCP reads landing in it,
+    /// payload of our TCP writes sent from it, our shm copies from or into it, `local_write` and
+    /// `local_read`. A batch already submitted that still needed the region fails with
+    /// `StaleRegion`, and a notification it carries is not delivered. (RDMA work requests
+    /// already posted are the NIC's and complete.)
+    ///
+    /// For caller memory ([`Engine::register_raw`]) this also waits until every such copy that
+    /// was already running ended: once it returns `Ok`, neither this engine nor any peer reads
+    /// or writes the memory any more (RDMA work requests aside), and the caller may reuse or
+    /// free it. A TCP copy still running after `EngineConfig::default_deadline` (a peer stalled
+    /// in the middle of a frame) is aborted by disconnecting that peer, after which this
+    /// returns `Ok` as well; if even then it does not end within another `default_deadline`,
+    /// this returns [`Error::Timeout`] and the memory must not be reused.
+    ///
+    /// Offered caller memory is also written directly by same-host peers (shm), so this waits
+    /// until every such peer confirmed that it withdrew the region and that none of its copies
+    /// into it is still running; copies it has not started fail with [`Error::StaleRegion`]. A
+    /// peer that does not confirm within `EngineConfig::default_deadline` is disconnected and
     /// this returns [`Error::Timeout`]; one disconnected before answering while its process
     /// lives gives [`Error::PeerDead`]. In both cases the region is withdrawn, but a copy that
     /// peer had already begun may still land, so the memory must not be reused then.
     pub fn unregister(&self, r: RegionHandle) -> Result<(), Error> {
         let core = self.core();
-        let fence = {
+        let (e, fence) = {
             let _g = core.reg_lock.lock();
             let e = core.regions.remove(r)?;
+            e.gate.close();
             for t in &core.transports {
                 t.region_removed(e.id);
             }
             core.metrics.unregistrations.fetch_add(1, Ordering::Relaxed);
             tracing::debug!(region = ?e.id, "region unregistered");
-            if e.access.offered() {
+            let fence = if e.access.offered() {
                 core.withdraw(e.id, e.mem.memfd().is_none())
             } else {
                 None
-            }
+            };
+            (e, fence)
         };
-        match fence {
+        let fenced = match fence {
             Some(seq) => core.await_fence(seq),
             None => Ok(()),
-        }
+        };
+        // Engine-allocated memory lives as long as the copies that hold it; caller memory must
+        // be left alone once this returns.
+        let copies = if e.mem.memfd().is_none() {
+            core.await_copies(&e)
+        } else {
+            Ok(())
+        };
+        fenced.and(copies)
     }
 
     /// Copies `data` into a local region.
     pub fn local_write(&self, r: RegionHandle, offset: u64, data: &[u8]) -> Result<(), Error> {
         let e = self.core().regions.get(r.id())?;
         check_bounds(r.id(), offset, data.len() as u64, e.mem.len() as u64)?;
+        let _g = e.enter()?;
         e.mem.copy_in(offset, data)?;
         Ok(())
     }
@@ -596,6 +625,7 @@ impl Engine {
     pub fn local_read(&self, r: RegionHandle, offset: u64, out: &mut [u8]) -> Result<(), Error> {
         let e = self.core().regions.get(r.id())?;
         check_bounds(r.id(), offset, out.len() as u64, e.mem.len() as u64)?;
+        let _g = e.enter()?;
         e.mem.copy_out(offset, out)?;
         Ok(())
     }
@@ -1021,6 +1051,44 @@ impl Core {
         }
     }
 
+    /// Waits until no engine thread copies into or out of withdrawn region `e` any more (its
+    /// gate is closed). A copy still running after `default_deadline` is stuck on a stalled
+    /// peer (a TCP lane inside a frame): the peers whose lanes are inside a copy of the region
+    /// are disconnected, which ends it; `Error::Timeout` if it still did not end within a
+    /// second `default_deadline`.
+    fn await_copies(&self, e: &RegionEntry) -> Result<(), Error> {
+        if e.gate.wait_idle(Instant::now() + self.cfg.default_deadline) {
+            return Ok(());
+        }
+        let until = Instant::now() + self.cfg.default_deadline;
+        loop {
+            let stuck: Vec<PeerId> = self
+                .peers
+                .lock()
+                .values()
+                .filter(|p| p.marks.holds(e.id))
+                .map(|p| p.id)
+                .collect();
+            for id in stuck {
+                tracing::warn!(peer = id.0, region = ?e.id, "peer stalled inside a copy of an unregistered region");
+                self.kill_peer(
+                    id,
+                    "stalled inside a copy of a region being unregistered",
+                    false,
+                );
+            }
+            // Re-checked now and then: a lane may mark its copy just after the scan.
+            let next = (Instant::now() + Duration::from_millis(50)).min(until);
+            if e.gate.wait_idle(next) {
+                return Ok(());
+            }
+            if Instant::now() >= until {
+                tracing::warn!(region = ?e.id, running = e.gate.running(), "copies of an unregistered region did not end");
+                return Err(Error::Timeout);
+            }
+        }
+    }
+
     /// Sends a control message to every peer (callers hold `reg_lock`).
     fn broadcast(&self, msg: impl Fn(&PeerInner) -> CtrlMsg) {
         let peers: Vec<_> = self.peers.lock().values().cloned().collect();
@@ -1098,6 +1166,7 @@ impl Core {
             v.iter().find(|(k, _)| *k == bit).map(|(_, b)| b.clone())
         };
         let copy_tx = self.copy_tx.lock().clone().ok_or(Error::Shutdown)?;
+        let marks = Arc::new(CopyMarks::default());
         let mut passive: Vec<Arc<dyn PeerTransport>> = Vec::new();
         for other in &self.transports {
             if other.kind() == hs.kind || !other.attach_always() {
@@ -1120,6 +1189,7 @@ impl Core {
                 pending: pending.clone(),
                 on_dead: on_dead.clone(),
                 copy_tx: copy_tx.clone(),
+                marks: marks.clone(),
             }) {
                 Ok(p) => passive.push(p),
                 Err(e) => {
@@ -1140,6 +1210,7 @@ impl Core {
             pending: pending.clone(),
             on_dead,
             copy_tx,
+            marks: marks.clone(),
         })?;
         let mut table = RemoteTable::default();
         for r in hs.remote_regions {
@@ -1162,6 +1233,7 @@ impl Core {
             passive,
             our_token: hs.our_token,
             inbound_lanes: Mutex::new(Vec::new()),
+            marks,
             dead: AtomicBool::new(false),
             same_host,
             core: weak_core,
@@ -1582,6 +1654,7 @@ fn handle_conn(core: Arc<Core>, mut s: TcpStream, addr: SocketAddr) {
                         notify: core.notify.clone(),
                         peer: p.id,
                         tracker: p.tracker.clone(),
+                        marks: p.marks.clone(),
                     };
                     drop(p);
                     drop(core);

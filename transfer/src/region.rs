@@ -4,9 +4,11 @@
 //! the access it is granted. Unregistering a region bumps the slot's generation, so every
 //! handle or id minted before is refused as [`Error::StaleRegion`].
 
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
+use std::time::Instant;
 
-use parking_lot::RwLock;
+use parking_lot::{Condvar, Mutex, RwLock};
 
 use crate::error::Error;
 use crate::mem::RegionMem;
@@ -117,6 +119,93 @@ pub(crate) struct RegionEntry {
     pub id: RegionId,
     pub access: Access,
     pub mem: Arc<RegionMem>,
+    /// Copies by engine threads into or out of `mem` running now (see [`RegionGate`]).
+    pub gate: RegionGate,
+}
+
+impl RegionEntry {
+    /// Marks a copy into or out of this region's memory as running, for as long as the guard
+    /// lives; refused with [`Error::StaleRegion`] once the region was unregistered.
+    pub fn enter(&self) -> Result<GateGuard<'_>, Error> {
+        self.gate.enter().ok_or(Error::StaleRegion(self.id))
+    }
+}
+
+/// Set in [`RegionGate::state`] once the region is withdrawn.
+const CLOSED: usize = 1 << (usize::BITS - 1);
+
+/// Counts the copies engine threads (tcp lanes, the shm copy path, `local_write`/`local_read`)
+/// are making into or out of a region's memory, separately from the lifetime of the `Arc`s
+/// that name the region (a batch keeps those until its handle drops). `unregister` closes the
+/// gate, so later copies are refused, and waits until the running ones ended: then no engine
+/// thread touches caller memory any more.
+///
+/// Entering and leaving are one atomic add each (no lock); only a leave that ends the last copy
+/// of a closed gate takes the mutex, to wake the waiter.
+#[derive(Debug, Default)]
+pub(crate) struct RegionGate {
+    /// Running copies, plus [`CLOSED`].
+    state: AtomicUsize,
+    m: Mutex<()>,
+    cv: Condvar,
+}
+
+/// A running copy (see [`RegionGate`]); ends when dropped.
+#[must_use = "the copy is only covered while the guard lives"]
+pub(crate) struct GateGuard<'a> {
+    gate: &'a RegionGate,
+}
+
+impl Drop for GateGuard<'_> {
+    fn drop(&mut self) {
+        self.gate.leave();
+    }
+}
+
+impl RegionGate {
+    /// Starts a copy; `None` once the gate is closed.
+    pub fn enter(&self) -> Option<GateGuard<'_>> {
+        // Acquire: pairs with nothing the copy needs, but keeps the copy after the check.
+        let prev = self.state.fetch_add(1, Ordering::Acquire);
+        if prev & CLOSED != 0 {
+            self.leave();
+            return None;
+        }
+        Some(GateGuard { gate: self })
+    }
+
+    fn leave(&self) {
+        // Release: the copy's accesses happen before the waiter sees the count drop.
+        let prev = self.state.fetch_sub(1, Ordering::Release);
+        if prev == CLOSED | 1 {
+            // The last copy of a closed gate: wake the waiter (under the mutex, so a waiter
+            // that saw the old count is already parked and gets the signal).
+            let _g = self.m.lock();
+            self.cv.notify_all();
+        }
+    }
+
+    /// Refuses every later [`RegionGate::enter`].
+    pub fn close(&self) {
+        self.state.fetch_or(CLOSED, Ordering::AcqRel);
+    }
+
+    /// Copies running now.
+    pub fn running(&self) -> usize {
+        self.state.load(Ordering::Acquire) & !CLOSED
+    }
+
+    /// Waits until no copy runs any more (after [`RegionGate::close`]) or `until` passed;
+    /// returns whether it is idle.
+    pub fn wait_idle(&self, until: Instant) -> bool {
+        let mut g = self.m.lock();
+        while self.running() != 0 {
+            if self.cv.wait_until(&mut g, until).timed_out() {
+                return self.running() == 0;
+            }
+        }
+        true
+    }
 }
 
 struct Slot {
@@ -162,7 +251,12 @@ impl RegionTable {
             index,
             generation: slot.generation,
         };
-        slot.entry = Some(Arc::new(RegionEntry { id, access, mem }));
+        slot.entry = Some(Arc::new(RegionEntry {
+            id,
+            access,
+            mem,
+            gate: RegionGate::default(),
+        }));
         Ok(RegionHandle {
             index,
             generation: id.generation,
@@ -234,5 +328,52 @@ impl RegionTable {
     pub fn all(&self) -> Vec<Arc<RegionEntry>> {
         let t = self.inner.read();
         t.slots.iter().filter_map(|s| s.entry.clone()).collect()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::time::Duration;
+
+    #[test]
+    fn gate_refuses_after_close_and_waits_for_running_copies() {
+        let g = Arc::new(RegionGate::default());
+        let a = g.enter().expect("open gate");
+        let b = g.enter().expect("open gate");
+        assert_eq!(g.running(), 2);
+        drop(b);
+        g.close();
+        assert!(g.enter().is_none(), "closed gate admits no copy");
+        assert_eq!(g.running(), 1, "a refused entry leaves no count behind");
+        // A copy still runs: not idle (an expired deadline returns at once).
+        assert!(!g.wait_idle(Instant::now()));
+        // The waiter returns once the running copy ended on another thread.
+        let (tx, rx) = std::sync::mpsc::channel();
+        let w = {
+            let g = g.clone();
+            std::thread::spawn(move || {
+                let idle = g.wait_idle(Instant::now() + Duration::from_secs(60));
+                let _ = tx.send(());
+                idle
+            })
+        };
+        // Nothing wakes the waiter before the copy ends (bounded look).
+        assert!(rx.recv_timeout(Duration::from_millis(50)).is_err());
+        drop(a);
+        assert!(w.join().expect("waiter"));
+        assert_eq!(g.running(), 0);
+        assert!(g.wait_idle(Instant::now()));
+    }
+
+    #[test]
+    fn entry_enter_names_the_region_when_refused() {
+        let t = RegionTable::default();
+        let mem = Arc::new(RegionMem::alloc_memfd(4096).expect("memfd"));
+        let h = t.insert(mem, Access::ReadWrite).expect("insert");
+        let e = t.remove(h).expect("remove");
+        assert!(e.enter().is_ok());
+        e.gate.close();
+        assert!(matches!(e.enter(), Err(Error::StaleRegion(id)) if id == h.id()));
     }
 }

@@ -5,7 +5,9 @@ conventions that vLLM's MooncakeConnector and SGLang use (``initialize``, ``get_
 ``register_memory``/``batch_register_memory``, ``transfer_sync_write``/``read``,
 ``batch_transfer_sync_write``/``read``, async submit and status calls, managed buffers...):
 ``0`` on success and a negative value on failure, the reason logged on the ``kvwire.mooncake``
-logger and available from ``last_error()``.
+logger and available from ``last_error()``, which describes the engine's latest call that can
+fail (from any thread): every such method clears it when it starts, so it is empty after a
+success.
 
 Only the ``P2PHANDSHAKE`` metadata mode exists: a peer is named ``"host:rpc_port"``. Remote
 memory is named by the peer's virtual addresses, which kvwire maps to the peer's registered

@@ -33,7 +33,8 @@ pub(crate) mod tcp;
 
 use std::collections::HashMap;
 use std::net::SocketAddr;
-use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Weak};
 use std::time::Instant;
 
 use crossbeam_channel::Sender;
@@ -50,7 +51,7 @@ use crate::config::TransportKind;
 use crate::engine::PeerId;
 use crate::error::Error;
 use crate::notify::{Notification, NotifyQueue};
-use crate::region::{RegionEntry, RegionTable};
+use crate::region::{RegionEntry, RegionId, RegionTable};
 use crate::wire::WireRegion;
 
 /// Direction of a batch.
@@ -149,6 +150,62 @@ pub(crate) struct EstablishCtx<'a> {
     pub on_dead: OnDead,
     /// The engine's copy thread (for long copies that should not block the submitter).
     pub copy_tx: Sender<CopyJob>,
+    /// Where the peer's lane threads mark the region they are copying (TCP).
+    pub marks: Arc<CopyMarks>,
+}
+
+/// [`CopyMarks`] value of a lane copying several regions at once (a gathered send).
+pub(crate) const MARK_ANY: u64 = u64::MAX;
+
+/// What each TCP lane thread of one peer is copying into or out of region memory now: the
+/// packed region id (0 = nothing). Written around every copy (a relaxed store, nothing else on
+/// the data path) and read only by `unregister` when a copy into caller memory did not end
+/// within the deadline: the peers whose lanes are inside such a copy (a peer stalled in the
+/// middle of a frame) are disconnected, which ends the copy.
+#[derive(Default)]
+pub(crate) struct CopyMarks {
+    lanes: Mutex<Vec<Weak<AtomicU64>>>,
+}
+
+impl CopyMarks {
+    /// The mark of a new lane thread (lanes already gone are forgotten here).
+    pub fn lane(&self) -> Arc<AtomicU64> {
+        let m = Arc::new(AtomicU64::new(0));
+        let mut l = self.lanes.lock();
+        l.retain(|w| w.strong_count() > 0);
+        l.push(Arc::downgrade(&m));
+        m
+    }
+
+    /// Whether a lane of this peer is inside a copy of region `id` now.
+    pub fn holds(&self, id: RegionId) -> bool {
+        let want = mark_of(id);
+        self.lanes.lock().iter().filter_map(Weak::upgrade).any(|m| {
+            let v = m.load(Ordering::Relaxed);
+            v == want || v == MARK_ANY
+        })
+    }
+}
+
+/// The [`CopyMarks`] value of a region (never 0: generations start at 1).
+pub(crate) fn mark_of(id: RegionId) -> u64 {
+    (u64::from(id.index) << 32) | u64::from(id.generation)
+}
+
+/// A copy marked on a lane (see [`CopyMarks`]) for as long as it lives.
+pub(crate) struct Marked<'a>(&'a AtomicU64);
+
+impl<'a> Marked<'a> {
+    pub fn new(mark: &'a AtomicU64, value: u64) -> Marked<'a> {
+        mark.store(value, Ordering::Relaxed);
+        Marked(mark)
+    }
+}
+
+impl Drop for Marked<'_> {
+    fn drop(&mut self) {
+        self.0.store(0, Ordering::Relaxed);
+    }
 }
 
 /// A transport (one instance per kind, per engine).
@@ -206,6 +263,7 @@ impl Transport for TcpTransport {
             ctx.cfg.slice_size,
             ctx.pending,
             ctx.on_dead,
+            ctx.marks,
         )))
     }
 }
@@ -275,6 +333,8 @@ pub(crate) struct TargetCtx {
     pub notify: Arc<NotifyQueue>,
     pub peer: PeerId,
     pub tracker: Arc<NotifyTracker>,
+    /// Where this peer's lane threads mark the region they are copying.
+    pub marks: Arc<CopyMarks>,
 }
 
 #[derive(Default)]
@@ -384,6 +444,7 @@ mod tests {
             notify: q.clone(),
             peer: PeerId(1),
             tracker: Arc::new(NotifyTracker::default()),
+            marks: Arc::new(CopyMarks::default()),
         };
         (ctx, Notifications { q })
     }

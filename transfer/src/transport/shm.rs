@@ -136,6 +136,8 @@ impl Shared {
     fn copy(&self, dir: Dir, x: &Xfer) -> Result<(), Error> {
         let len =
             usize::try_from(x.len).map_err(|_| Error::InvalidArgument("op too large".into()))?;
+        // Our side of the copy runs inside the local region's gate (refused once unregistered).
+        let _local = x.local.enter()?;
         match self.mapping(&x.remote) {
             Some(map) => match dir {
                 Dir::Write => RegionMem::copy_between(

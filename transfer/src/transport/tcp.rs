@@ -11,23 +11,29 @@
 //! from the socket straight into region memory (only bytes already buffered with the header are
 //! copied), and on the initiator the payload goes from region memory to the socket with one
 //! gather `sendmsg` per group of frames.
+//!
+//! Every copy into or out of region memory (payload landing, read data sent or landed, payload
+//! sent) runs inside the region's gate ([`RegionEntry::enter`]): once the region is
+//! unregistered, later copies are refused with `Error::StaleRegion` and `unregister` waits for
+//! the running ones, so no lane touches caller memory after it returned. Each lane thread also
+//! marks the region it copies ([`CopyMarks`]), so a copy stuck on a stalled peer can be aborted.
 
 use std::io::{self, Read, Write};
 use std::net::{Shutdown, SocketAddr, TcpStream};
 use std::os::fd::AsFd;
-use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
 use crossbeam_channel::{Receiver, Sender};
 use parking_lot::Mutex;
 
-use super::{Dir, PeerTransport, Posted, TargetCtx};
+use super::{mark_of, CopyMarks, Dir, Marked, PeerTransport, Posted, TargetCtx, MARK_ANY};
 use crate::batch::{BatchState, BatchStats, Pending, ReadSlice};
 use crate::config::TransportKind;
 use crate::error::Error;
 use crate::mem::{send_parts, IoPart, RegionMem};
-use crate::region::{check_bounds, RegionEntry};
+use crate::region::{check_bounds, GateGuard, RegionEntry, RegionId};
 use crate::wire::{self, CtrlMsg, FrameHeader, FrameKind, FLAG_TRACKED, FRAME_HEADER_LEN};
 
 /// Batches up to this many bytes are written by the submitting thread when a lane is idle.
@@ -159,6 +165,7 @@ pub(crate) fn serve_lane(s: TcpStream, ctx: TargetCtx) {
 
 fn serve_lane_inner(s: &TcpStream, ctx: &TargetCtx) -> Result<(), Error> {
     let mut rd = FrameReader::new(s.try_clone()?);
+    let mark = ctx.marks.lane();
     let mut w = s;
     let mut out: Vec<u8> = Vec::with_capacity(4096);
     // Position in `out` of the last ack frame and its batch: consecutive acks of one batch are
@@ -202,15 +209,27 @@ fn serve_lane_inner(s: &TcpStream, ctx: &TargetCtx) -> Result<(), Error> {
                 let checked = ctx.regions.get_remote(h.region, true).and_then(|e| {
                     check_bounds(h.region, h.offset, len, e.mem.len() as u64).map(|_| e)
                 });
-                match checked {
-                    Ok(e) => {
-                        rd.payload_into(&e.mem, h.offset, h.len as usize)?;
+                // The payload lands inside the region's gate (refused once unregistered).
+                let refused = match checked {
+                    Ok(e) => match e.enter() {
+                        Ok(g) => {
+                            let m = Marked::new(&mark, mark_of(e.id));
+                            rd.payload_into(&e.mem, h.offset, h.len as usize)?;
+                            drop((m, g));
+                            None
+                        }
+                        Err(err) => Some(err),
+                    },
+                    Err(err) => Some(err),
+                };
+                match refused {
+                    None => {
                         if h.flags & FLAG_TRACKED != 0 {
                             ctx.tracker.landed(ctx, h.batch)?;
                         }
                         ack(&mut out, &mut last_ack, h.batch);
                     }
-                    Err(err) => {
+                    Some(err) => {
                         tracing::debug!(batch = h.batch, error = %err, "refused write slice");
                         rd.discard(h.len as usize)?;
                         if h.flags & FLAG_TRACKED != 0 {
@@ -230,19 +249,30 @@ fn serve_lane_inner(s: &TcpStream, ctx: &TargetCtx) -> Result<(), Error> {
                     out.clear();
                     last_ack = None;
                 }
-                match checked {
-                    Ok(e) => {
-                        let hdr = FrameHeader::simple(FrameKind::ReadData, h.batch, h.len, h.aux)
-                            .encode();
-                        send_parts(
-                            s.as_fd(),
-                            &[
-                                IoPart::Bytes(&hdr),
-                                IoPart::Region(&e.mem, h.offset, h.len as usize),
-                            ],
-                        )?;
-                    }
-                    Err(err) => out.extend_from_slice(&error_frame(h.batch, &err)),
+                // The data is sent from region memory inside the region's gate.
+                let refused = match checked {
+                    Ok(e) => match e.enter() {
+                        Ok(g) => {
+                            let m = Marked::new(&mark, mark_of(e.id));
+                            let hdr =
+                                FrameHeader::simple(FrameKind::ReadData, h.batch, h.len, h.aux)
+                                    .encode();
+                            send_parts(
+                                s.as_fd(),
+                                &[
+                                    IoPart::Bytes(&hdr),
+                                    IoPart::Region(&e.mem, h.offset, h.len as usize),
+                                ],
+                            )?;
+                            drop((m, g));
+                            None
+                        }
+                        Err(err) => Some(err),
+                    },
+                    Err(err) => Some(err),
+                };
+                if let Some(err) = refused {
+                    out.extend_from_slice(&error_frame(h.batch, &err));
                 }
             }
             FrameKind::Notify => {
@@ -281,6 +311,8 @@ struct LaneShared {
     s: TcpStream,
     wlock: Mutex<()>,
     queued: AtomicUsize,
+    /// The sender's copy mark (set while a send reads region memory, under `wlock`).
+    mark: Arc<AtomicU64>,
 }
 
 pub(crate) struct Lane {
@@ -288,27 +320,109 @@ pub(crate) struct Lane {
     tx: Sender<Job>,
 }
 
+/// What [`send_jobs`] does with one job.
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Sending {
+    /// Frames as they are.
+    Frames,
+    /// Nothing (the batch failed and carries no notification: nobody waits for its bytes).
+    Skip,
+    /// Its payload frames replaced by [`poison_frame`]s (a local region of a batch with a
+    /// notification was unregistered: the target must still account for every slice).
+    Poison,
+}
+
+/// A write frame the target refuses (an id no region ever has, no payload), standing for a
+/// tracked slice whose bytes cannot be sent: the target counts it as refused, so the batch's
+/// notification is suppressed and its tracking ends.
+fn poison_frame(hdr: &[u8; FRAME_HEADER_LEN]) -> io::Result<[u8; FRAME_HEADER_LEN]> {
+    let mut h = FrameHeader::decode(hdr).map_err(|e| io::Error::other(e.to_string()))?;
+    h.region = RegionId {
+        index: u32::MAX,
+        generation: 0,
+    };
+    h.offset = 0;
+    h.len = 0;
+    Ok(h.encode())
+}
+
 fn send_jobs(sh: &LaneShared, jobs: &[Job]) -> io::Result<()> {
-    let mut parts: Vec<IoPart<'_>> =
-        Vec::with_capacity(jobs.iter().map(|j| j.frames.len() * 2).sum());
+    // Payloads are read from region memory inside their regions' gates, entered under the
+    // lane's write lock (so the lane's mark covers them) and held until the bytes are in the
+    // socket; a job whose local region was unregistered meanwhile fails.
+    let _g = sh.wlock.lock();
+    let _m = Marked::new(&sh.mark, MARK_ANY);
+    let mut guards: Vec<GateGuard<'_>> = Vec::new();
+    let mut plan: Vec<Sending> = Vec::with_capacity(jobs.len());
+    let mut poisoned: Vec<[u8; FRAME_HEADER_LEN]> = Vec::new();
     for j in jobs {
         if j.batch.is_done() && !j.tracked {
             // Failed or timed out: nobody waits for these bytes. (Slices of batches with a
             // notification still go, so the target can account for every slice.)
+            plan.push(Sending::Skip);
             continue;
         }
+        let start = guards.len();
+        let mut last: Option<&Arc<RegionEntry>> = None;
+        let mut refused = None;
         for f in &j.frames {
-            parts.push(IoPart::Bytes(&f.hdr));
-            parts.push(IoPart::Bytes(&f.tail));
-            if let Some((e, off, len)) = &f.payload {
-                parts.push(IoPart::Region(&e.mem, *off, *len));
+            if let Some((e, _, _)) = &f.payload {
+                if last.is_some_and(|l| Arc::ptr_eq(l, e)) {
+                    continue;
+                }
+                match e.enter() {
+                    Ok(g) => guards.push(g),
+                    Err(err) => {
+                        refused = Some(err);
+                        break;
+                    }
+                }
+                last = Some(e);
+            }
+        }
+        match refused {
+            None => plan.push(Sending::Frames),
+            Some(err) => {
+                guards.truncate(start);
+                j.batch.fail(err);
+                if j.tracked {
+                    for f in j.frames.iter().filter(|f| f.payload.is_some()) {
+                        poisoned.push(poison_frame(&f.hdr)?);
+                    }
+                    plan.push(Sending::Poison);
+                } else {
+                    plan.push(Sending::Skip);
+                }
+            }
+        }
+    }
+    let mut parts: Vec<IoPart<'_>> =
+        Vec::with_capacity(jobs.iter().map(|j| j.frames.len() * 2).sum());
+    let mut poison = poisoned.iter();
+    for (j, how) in jobs.iter().zip(&plan) {
+        for f in &j.frames {
+            match (*how, &f.payload) {
+                (Sending::Skip, _) => break,
+                (Sending::Frames, Some((e, off, len))) => {
+                    parts.push(IoPart::Bytes(&f.hdr));
+                    parts.push(IoPart::Bytes(&f.tail));
+                    parts.push(IoPart::Region(&e.mem, *off, *len));
+                }
+                (Sending::Poison, Some(_)) => {
+                    if let Some(p) = poison.next() {
+                        parts.push(IoPart::Bytes(p));
+                    }
+                }
+                (_, None) => {
+                    parts.push(IoPart::Bytes(&f.hdr));
+                    parts.push(IoPart::Bytes(&f.tail));
+                }
             }
         }
     }
     if parts.is_empty() {
         return Ok(());
     }
-    let _g = sh.wlock.lock();
     send_parts(sh.s.as_fd(), &parts)
 }
 
@@ -331,15 +445,15 @@ fn sender_loop(sh: Arc<LaneShared>, rx: Receiver<Job>, on_dead: OnDead) {
     }
 }
 
-fn reader_loop(s: TcpStream, pending: Arc<Pending>, on_dead: OnDead) {
-    let reason = match reader_loop_inner(s, &pending) {
+fn reader_loop(s: TcpStream, pending: Arc<Pending>, on_dead: OnDead, mark: Arc<AtomicU64>) {
+    let reason = match reader_loop_inner(s, &pending, &mark) {
         Ok(()) => "peer closed the lane".to_string(),
         Err(e) => format!("lane failed: {e}"),
     };
     on_dead(reason);
 }
 
-fn reader_loop_inner(s: TcpStream, pending: &Pending) -> Result<(), Error> {
+fn reader_loop_inner(s: TcpStream, pending: &Pending, mark: &AtomicU64) -> Result<(), Error> {
     let mut rd = FrameReader::new(s);
     loop {
         let hb = match rd.header()? {
@@ -374,8 +488,19 @@ fn reader_loop_inner(s: TcpStream, pending: &Pending) -> Result<(), Error> {
                                 h.aux, h.len, sl.len
                             )));
                         }
-                        rd.payload_into(&sl.local.mem, sl.offset, sl.len as usize)?;
-                        b.part_done();
+                        // Lands inside the local region's gate (refused once unregistered).
+                        match sl.local.enter() {
+                            Ok(g) => {
+                                let m = Marked::new(mark, mark_of(sl.local.id));
+                                rd.payload_into(&sl.local.mem, sl.offset, sl.len as usize)?;
+                                drop((m, g));
+                                b.part_done();
+                            }
+                            Err(err) => {
+                                rd.discard(h.len as usize)?;
+                                b.fail(err);
+                            }
+                        }
                     }
                     _ => rd.discard(h.len as usize)?,
                 }
@@ -407,6 +532,7 @@ pub(crate) struct TcpPeer {
     closed: AtomicBool,
     pending: Arc<Pending>,
     on_dead: OnDead,
+    marks: Arc<CopyMarks>,
 }
 
 impl TcpPeer {
@@ -415,6 +541,7 @@ impl TcpPeer {
         slice_size: usize,
         pending: Arc<Pending>,
         on_dead: OnDead,
+        marks: Arc<CopyMarks>,
     ) -> TcpPeer {
         TcpPeer {
             target,
@@ -424,6 +551,7 @@ impl TcpPeer {
             closed: AtomicBool::new(false),
             pending,
             on_dead,
+            marks,
         }
     }
 
@@ -447,16 +575,21 @@ impl TcpPeer {
                 s: s.try_clone()?,
                 wlock: Mutex::new(()),
                 queued: AtomicUsize::new(0),
+                mark: self.marks.lane(),
             });
             let (tx, rx) = crossbeam_channel::unbounded();
             let (sh2, od) = (sh.clone(), self.on_dead.clone());
             std::thread::Builder::new()
                 .name(format!("kvwire-tx{i}"))
                 .spawn(move || sender_loop(sh2, rx, od))?;
-            let (p, od) = (self.pending.clone(), self.on_dead.clone());
+            let (p, od, m) = (
+                self.pending.clone(),
+                self.on_dead.clone(),
+                self.marks.lane(),
+            );
             std::thread::Builder::new()
                 .name(format!("kvwire-rx{i}"))
-                .spawn(move || reader_loop(s, p, od))?;
+                .spawn(move || reader_loop(s, p, od, m))?;
             lanes.push(Lane { sh, tx });
         }
         let l = Arc::new(lanes);
