@@ -5,7 +5,10 @@
    connector: greedy completions of a few prompts = the reference.
 2. The same model as a P instance and a D instance on the same GPU, each with the connector
    under test; every prompt goes to P (``max_tokens: 1``, prefill) and to D (decode) with one
-   ``transfer_id`` (our minimal proxy: direct requests, in parallel, from this script).
+   ``transfer_id`` (our minimal proxy: direct requests, in parallel, from this script). With the
+   kvwire connector the KV caches are on the GPU, so both workers stage through pinned host
+   memory (``staging`` auto, kvwire.vllm.staging): P gathers each layer into its pool and writes
+   from there, D lands into a host mirror and copies to the GPU before reporting the request.
 3. D's token ids must equal the reference for every prompt, D's ``/metrics`` must count the
    prompt tokens as ``external_kv_transfer`` (D did not prefill them itself: at most one token
    per request computed locally, the one vLLM always recomputes), and P must have computed them.
@@ -150,13 +153,20 @@ def main():
     ap.add_argument("--mem", default="0.3", help="--gpu-memory-utilization of each instance")
     ap.add_argument("--ready-timeout", type=int, default=900)
     ap.add_argument("--shim-dir", default="")
+    ap.add_argument("--staging", choices=["auto", "always", "never"], default="auto",
+                    help="kvwire's staging option on P and D (auto: CUDA KV caches go through pinned host memory)")
+    ap.add_argument("--staging-mb", default="256", help="kvwire's staging_mb on P and D (P's pool size)")
+    ap.add_argument("--kv-blocks", type=int, default=2048,
+                    help="--num-gpu-blocks-override of every instance (D's staging mirrors the whole KV cache in "
+                         "pinned host memory: keep it small)")
     a = ap.parse_args()
     os.makedirs(a.out, exist_ok=True)
     model = make_model(os.path.join(a.out, "model"))
     name = "kvwire-tiny"
     common = ["--served-model-name", name, "--load-format", "dummy", "--dtype", "bfloat16", "--seed", "0",
               "--max-model-len", "2048", "--max-num-seqs", "16", "--block-size", "16", "--enforce-eager",
-              "--gpu-memory-utilization", a.mem, "--no-enable-prefix-caching"]
+              "--gpu-memory-utilization", a.mem, "--no-enable-prefix-caching",
+              "--num-gpu-blocks-override", str(a.kv_blocks)]
     env = dict(os.environ, VLLM_HOST_IP="127.0.0.1", VLLM_NO_USAGE_STATS="1", HF_HUB_OFFLINE="1",
                TRANSFORMERS_OFFLINE="1")
     texts = prompts(a.prompts)
@@ -180,11 +190,13 @@ def main():
             p_cfg = {"kv_connector": "KvwireConnector", "kv_connector_module_path": "kvwire.vllm",
                      "kv_role": p_role, "kv_connector_extra_config": {
                          "control_listen": "127.0.0.1:7100", "data_listen": "127.0.0.1:7200",
-                         "send_mode": "layerwise", "secret": "e2e"}}
+                         "send_mode": "layerwise", "secret": "e2e",
+                         "staging": a.staging, "staging_mb": float(a.staging_mb)}}
             d_cfg = {"kv_connector": "KvwireConnector", "kv_connector_module_path": "kvwire.vllm",
                      "kv_role": d_role, "kv_connector_extra_config": {
                          "control_listen": "127.0.0.1:7101", "data_listen": "127.0.0.1:7201",
-                         "policy": "lazy", "secret": "e2e"}}
+                         "policy": "lazy", "secret": "e2e",
+                         "staging": a.staging, "staging_mb": float(a.staging_mb)}}
             p_env, d_env = env, env
 
             def params(tid):

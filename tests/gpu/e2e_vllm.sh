@@ -17,7 +17,12 @@
 #
 # Connectors (CONNECTOR=...):
 #   kvwire   (default) KvwireConnector via kv_connector_module_path "kvwire.vllm"
-#            (P send_mode layerwise, D policy lazy; ROLES=both runs both as kv_both);
+#            (P send_mode layerwise, D policy lazy; ROLES=both runs both as kv_both). The KV
+#            caches are on the GPU: both workers stage them through pinned host memory
+#            (kvwire.vllm.staging; STAGING=auto|always|never, STAGING_MB = P's pool in MiB, e.g.
+#            0.0625 so that the longer prompts' layers are split and queued). Every instance gets
+#            --num-gpu-blocks-override KV_BLOCKS (2048), as D mirrors its whole KV cache in pinned
+#            host memory;
 #   mooncake vLLM's own MooncakeConnector with mooncake.engine resolved to kvwire.mooncake
 #            through the shim package (python -m kvwire.mooncake shim DIR; PYTHONPATH=DIR).
 #
@@ -26,7 +31,8 @@
 #
 # Usage: PYTHON=~/.cache/kvwire-py/vllm-0.18.1/bin/python tests/gpu/e2e_vllm.sh [OUTDIR]
 # Env:   PYTHON, CONNECTOR (kvwire|mooncake), ROLES (pd|both), PROMPTS (4), MAX_TOKENS (16),
-#        GPU_MEM (0.3, --gpu-memory-utilization of each instance), READY_TIMEOUT (900 s).
+#        GPU_MEM (0.3, --gpu-memory-utilization of each instance), READY_TIMEOUT (900 s),
+#        STAGING (auto), STAGING_MB (256), KV_BLOCKS (2048).
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 OUT=${1:-${OUT:-/tmp/kvwire-gpu-e2e}}
@@ -58,7 +64,8 @@ echo "== single instance vs P/D (${CONNECTOR:-kvwire}, ${ROLES:-pd}); logs in $O
 rc=0
 "$PY" tests/gpu/e2e_vllm.py --out "$OUT" --connector "${CONNECTOR:-kvwire}" --roles "${ROLES:-pd}" \
   --prompts "${PROMPTS:-4}" --max-tokens "${MAX_TOKENS:-16}" --mem "${GPU_MEM:-0.3}" \
-  --ready-timeout "${READY_TIMEOUT:-900}" --shim-dir "$SHIM" 2>&1 | tee "$OUT/e2e.txt" || rc=$?
+  --ready-timeout "${READY_TIMEOUT:-900}" --shim-dir "$SHIM" --staging "${STAGING:-auto}" \
+  --staging-mb "${STAGING_MB:-256}" --kv-blocks "${KV_BLOCKS:-2048}" 2>&1 | tee "$OUT/e2e.txt" || rc=$?
 if [[ $rc -ne 0 ]] || ! grep -q "PASS$" "$OUT/e2e.txt"; then
   echo "FAIL: see $OUT/e2e.txt and $OUT/{single,prefill,decode}.log"
   for f in prefill decode; do

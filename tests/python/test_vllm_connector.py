@@ -60,6 +60,38 @@ def assert_no_leak(side):
     assert not side.sched.requests, "requests left in the scheduler"
 
 
+def d_maps_empty(side):
+    """No request left in D's scheduler-side connector maps, nothing queued for its workers."""
+    s = side.conn._sched
+    maps = dict(d_key=s.d_key, d_req=s.d_req, d_failed_early=s.d_failed_early, d_delayed=s.d_delayed,
+                d_reported=s.d_reported, d_promoted=s.d_promoted, d_first_pending=s.d_first_pending,
+                d_recv_sent=s.d_recv_sent, out_recv=s.out_recv, out_failed=s.out_failed,
+                out_sending=s.out_sending)
+    assert not {k: v for k, v in maps.items() if v}, "requests left in D's connector"
+    assert s.d.live_requests == 0
+
+
+def p_maps_empty(side):
+    s = side.conn._sched
+    maps = dict(p_key=s.p_key, p_req=s.p_req, p_info=s.p_info, p_scheduled=s.p_scheduled, p_done=s.p_done,
+                p_delayed=s.p_delayed, p_xfer=s.p_xfer, out_sending=s.out_sending, out_transfers=s.out_transfers)
+    assert not {k: v for k, v in maps.items() if v}, "requests left in P's connector"
+    assert s.p.live_requests == 0 and s.p_transfers_pending == 0
+
+
+def count_frees(side):
+    """Counts, per request, how often vLLM's scheduler frees its blocks (``_free_blocks``)."""
+    freed = {}
+    real = side.sched._free_blocks
+
+    def free_blocks(request):
+        freed[request.request_id] = freed.get(request.request_id, 0) + 1
+        return real(request)
+
+    side.sched._free_blocks = free_blocks
+    return freed
+
+
 def run_until(cond, *steps):
     for _ in range(MAX_STEPS):
         if cond():
@@ -164,7 +196,7 @@ def test_abort_while_waiting_frees_everything(pair):
         d.step()
         p.step()
     assert_no_leak(d)
-    assert d.conn._sched.d.live_requests == 0
+    d_maps_empty(d)
 
 
 def test_abort_after_reservation_waits_for_p(pair):
@@ -182,7 +214,7 @@ def test_abort_after_reservation_waits_for_p(pair):
     assert "d/r4" in d.conn._sched.d_delayed
     assert run_until(lambda: not d.sched.requests, d.step, p.step)
     assert_no_leak(d)
-    assert d.conn._sched.d.live_requests == 0
+    d_maps_empty(d)
 
 
 @pytest.mark.parametrize("policy", ["lazy", "eager"])
@@ -316,3 +348,124 @@ def test_long_forward_does_not_declare_a_heard_peer_down(pair):
     assert run_until(lambda: not d.sched.requests and not p.sched.requests, d.step, p.step)
     assert_no_leak(d)
     assert_no_leak(p)
+
+
+@pytest.mark.parametrize("when", ["recv_queued", "recv_emitted", "recv_seen", "landing"])
+def test_abort_after_the_kv_landed_frees_once(pair, when):
+    """D's request is aborted once every layer landed, before vLLM scheduled it:
+    * ``recv_queued``: D's core reported it finished between two steps (it drains P's messages
+      whenever a deadline is due), it is not yet in any step's metadata;
+    * ``recv_emitted``: this step's metadata lists it in finished_recving, vLLM has not seen the
+      workers' report yet (the abort comes in between, as with vLLM's batch queue);
+    * ``recv_seen``: vLLM took the workers' finished_recving, it has not scheduled the request;
+    * ``landing``: D stages (``staging: always``) and the mirror→cache copy is still running.
+    vLLM frees the blocks on one report of a finished request (finished_recving or
+    finished_sending) and asserts that a second one names a request it still has, so each
+    ordering must end with the blocks freed exactly once, no assertion, D's pool whole, no request
+    left in either connector and P's request done normally."""
+    import time
+
+    d_extra = {"policy": "lazy"}
+    if when == "landing":
+        d_extra.update(staging="always", staging_mb=1)
+    d, p = pair(d_extra, {"send_mode": "whole"})
+    freed = count_frees(d)
+    full = d.num_blocks - 1
+    ds = d.conn._sched
+    rid = f"a-{when}"
+    dreq = d_request(rid, p)
+    d.sched.add_request(dreq)
+    d.step()
+    preq = p_request(rid, d)
+    p.sched.add_request(preq)
+    p_step = lambda: p.step(p_fill)  # noqa: E731
+
+    def abort(frees_now=False):
+        """``frees_now``: vLLM has the finished_recving already, so nothing else is to come."""
+        assert dreq.status == RequestStatus.WAITING_FOR_REMOTE_KVS and d.free_blocks() == full - 3
+        d.sched.finish_requests(dreq.request_id, RequestStatus.FINISHED_ABORTED)
+        assert dreq.is_finished()
+        assert freed == ({dreq.request_id: 1} if frees_now else {})
+
+    if when == "recv_queued":
+        # D reserves (lazy: once P started) and sends its block ids; then only P steps while D's
+        # scheduler takes in P's messages without stepping, so the finished report stays queued.
+        assert run_until(lambda: dreq.status == RequestStatus.WAITING_FOR_REMOTE_KVS, p_step, d.step)
+
+        def p_step_then_drain():
+            p_step()
+            for _ in range(200):  # bounded; ends as soon as P's messages are in
+                ds._poll()
+                if dreq.request_id in ds.out_recv:
+                    return
+                time.sleep(0.005)
+
+        assert run_until(lambda: dreq.request_id in ds.out_recv, p_step_then_drain)
+        abort()
+    elif when == "recv_emitted":
+        emitted = []
+        schedule = d.sched.schedule
+
+        def schedule_then_abort():
+            so = schedule()
+            if dreq.request_id in so.kv_connector_metadata.finished_recving and not emitted:
+                emitted.append(so)
+                abort()
+            return so
+
+        d.sched.schedule = schedule_then_abort
+        assert run_until(lambda: emitted, p_step, d.step)
+    elif when == "recv_seen":
+        assert run_until(lambda: dreq.request_id in d.sched.finished_recving_kv_req_ids, p_step, d.step)
+        abort(frees_now=True)
+    else:
+        events = defer_landing(d)
+        assert run_until(lambda: events, p_step, d.step)  # the landing started
+        abort()
+        for _ in range(5):
+            d.step()
+            p.step()
+        assert d.free_blocks() == full - 3 and not freed  # the copy may still write into them
+        events[0].synchronize()  # the copy completes
+    assert run_until(lambda: not d.sched.requests and not p.sched.requests, d.step, p_step)
+    for _ in range(3):  # a report still due comes out (a second one asserts in vLLM)
+        d.step()
+        p.step()
+    assert freed == {dreq.request_id: 1}
+    assert_no_leak(d)
+    assert_no_leak(p)
+    d_maps_empty(d)
+    p_maps_empty(p)
+    assert preq.status == RequestStatus.FINISHED_LENGTH_CAPPED
+    assert not any('"outcome":"failed"' in r for r in p.conn._sched.timeline)  # P's side ended normally
+    if when == "landing":
+        st = d.worker._worker.stager
+        assert st.idle and not st.landing and not st.held
+
+
+class _Deferred:
+    """Stands in for the CUDA event of D's landing copy: the copy runs only at ``synchronize``."""
+
+    def __init__(self, pairs):
+        self.pairs, self.done = list(pairs), False
+
+    def query(self):
+        return self.done
+
+    def synchronize(self):
+        if not self.done:
+            for dst, src in self.pairs:
+                dst.copy_(src)
+            self.done = True
+
+
+def defer_landing(side):
+    """Makes D's landing copies complete only when the test says so; returns the events made."""
+    made = []
+
+    def copy(after, pairs):
+        made.append(_Deferred(pairs))
+        return made[-1]
+
+    side.worker._worker.stager.dev.copy = copy
+    return made

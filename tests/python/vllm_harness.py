@@ -1,17 +1,23 @@
 """A P/D pair of real vLLM v1 Schedulers on CPU, each with KvwireConnector loaded through vLLM's
 own factory (kv_connector_module_path) in both roles, and a stand-in model runner that drives
 the worker halves with CPU tensors as the KV cache (built like vLLM's
-tests/v1/kv_connector/unit/utils.py, with a local 2-layer model config: no download)."""
+tests/v1/kv_connector/unit/utils.py, with a local 2-layer model config: no download).
+
+With ``tp=N`` a side has N worker-side connectors (TP ranks 0..N-1, each with its own KV shard
+of HEADS // N heads), their addresses handed to the scheduler as EngineCore does at startup, and
+their outputs merged by vLLM's own KVOutputAggregator as the executor does."""
 
 import json
 import os
 import socket
 import tempfile
+from unittest import mock
 
 import torch
 from vllm import SamplingParams
-from vllm.config import CacheConfig, DeviceConfig, KVTransferConfig, ModelConfig, SchedulerConfig, VllmConfig
+from vllm.config import CacheConfig, DeviceConfig, KVTransferConfig, ModelConfig, ParallelConfig, SchedulerConfig, VllmConfig
 from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
+from vllm.distributed.kv_transfer.kv_connector.utils import KVOutputAggregator
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
 from vllm.utils.hashing import sha256
 from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
@@ -49,7 +55,7 @@ def model_dir():
     return d
 
 
-def vllm_config(kv_role, extra, mdir, load_failure_policy="fail"):
+def vllm_config(kv_role, extra, mdir, load_failure_policy="fail", tp=1):
     mc = ModelConfig(model=mdir, skip_tokenizer_init=True, dtype="float32", seed=42, max_model_len=2048)
     sc = SchedulerConfig(
         max_num_seqs=16, max_num_batched_tokens=1024, max_model_len=2048,
@@ -60,36 +66,68 @@ def vllm_config(kv_role, extra, mdir, load_failure_policy="fail"):
         kv_connector="KvwireConnector", kv_connector_module_path="kvwire.vllm", kv_role=kv_role,
         kv_connector_extra_config=extra, kv_load_failure_policy=load_failure_policy,
     )
+    par = {} if tp == 1 else {"parallel_config": ParallelConfig(tensor_parallel_size=tp)}
     vc = VllmConfig(scheduler_config=sc, model_config=mc, cache_config=cc, kv_transfer_config=kt,
-                    device_config=DeviceConfig("cpu"))
+                    device_config=DeviceConfig("cpu"), **par)
     vc.scheduler_config.async_scheduling = False
     return vc
 
 
-def kv_cache_config(num_blocks):
+def kv_cache_config(num_blocks, heads=HEADS):
     return KVCacheConfig(
         num_blocks=num_blocks, kv_cache_tensors=[],
         kv_cache_groups=[KVCacheGroupSpec(list(LAYERS), FullAttentionSpec(
-            block_size=BLOCK, num_kv_heads=HEADS, head_size=HEAD_DIM, dtype=torch.float32))],
+            block_size=BLOCK, num_kv_heads=heads, head_size=HEAD_DIM, dtype=torch.float32))],
     )
+
+
+def _worker(vc, kcc, rank, tp):
+    """A worker-side connector of TP rank ``rank``: vLLM's TP-rank query answers ``rank`` while
+    it is built (there is no process group here)."""
+    if tp == 1:
+        return KVConnectorFactory.create_connector(vc, KVConnectorRole.WORKER, kcc)
+    with mock.patch("vllm.distributed.parallel_state.get_tensor_model_parallel_rank", return_value=rank):
+        return KVConnectorFactory.create_connector(vc, KVConnectorRole.WORKER, kcc)
+
+
+def hand_shake(conn, workers):
+    """What EngineCore does once the workers registered their KV caches: every worker's
+    handshake metadata, keyed by TP rank (0.33.0: by (pp rank, TP rank)), to the scheduler."""
+    metas = {r: w.get_handshake_metadata() for r, w in enumerate(workers)}
+    metas = {r: m for r, m in metas.items() if m is not None}
+    if not metas:
+        return
+    if hasattr(conn, "set_xfer_handshake_metadata_pp_aware"):
+        conn.set_xfer_handshake_metadata_pp_aware({(0, r): m for r, m in metas.items()})
+    else:
+        conn.set_xfer_handshake_metadata(metas)
 
 
 class Side:
     """One vLLM instance: a real Scheduler (with the scheduler-side connector built by vLLM)
-    plus a worker-side connector over CPU KV tensors of shape [2, blocks, BLOCK, HEADS, DIM]."""
+    plus ``tp`` worker-side connectors (``workers``; ``worker`` is rank 0's), rank r over CPU KV
+    tensors ``kvs[r]`` of shape [2, blocks, BLOCK, HEADS // tp, DIM] (``kv`` is rank 0's)."""
 
-    def __init__(self, kv_role, extra, mdir, num_blocks=64, **kw):
+    def __init__(self, kv_role, extra, mdir, num_blocks=64, tp=1, **kw):
         self.num_blocks = num_blocks
-        self.vc = vllm_config(kv_role, extra, mdir, **kw)
-        kcc = kv_cache_config(num_blocks)
+        self.tp = tp
+        self.heads = HEADS // tp
+        self.vc = vllm_config(kv_role, extra, mdir, tp=tp, **kw)
+        kcc = kv_cache_config(num_blocks, self.heads)
         self.vc.cache_config.num_gpu_blocks = num_blocks
         self.sched = Scheduler(vllm_config=self.vc, kv_cache_config=kcc,
                                structured_output_manager=StructuredOutputManager(self.vc),
                                block_size=BLOCK, log_stats=True)
         self.conn = self.sched.connector
-        self.worker = KVConnectorFactory.create_connector(self.vc, KVConnectorRole.WORKER, kcc)
-        self.kv = {n: torch.zeros(2, num_blocks, BLOCK, HEADS, HEAD_DIM) for n in LAYERS}
-        self.worker.register_kv_caches(self.kv)
+        self.workers = [_worker(self.vc, kcc, r, tp) for r in range(tp)]
+        self.worker = self.workers[0]
+        self.kvs = [{n: torch.zeros(2, num_blocks, BLOCK, self.heads, HEAD_DIM) for n in LAYERS} for _ in range(tp)]
+        self.kv = self.kvs[0]
+        self.rank = 0  # the rank whose forward ``fill`` runs for (its KV is ``kv`` meanwhile)
+        for w, kv in zip(self.workers, self.kvs):
+            w.register_kv_caches(kv)
+        hand_shake(self.conn, self.workers)
+        self.aggregator = KVOutputAggregator(tp)
         self.invalid = set()
 
     def free_blocks(self):
@@ -99,31 +137,41 @@ class Side:
         """One engine step: schedule, run the worker hooks around a stand-in forward (``fill``
         writes each scheduled prefill's KV), feed the connector output back."""
         so = self.sched.schedule()
-        w = self.worker
-        w.bind_connector_metadata(so.kv_connector_metadata)
-        w.start_load_kv(None)
+        # The ranks run each phase in turn (in vLLM they run it at the same time).
+        for w in self.workers:
+            w.bind_connector_metadata(so.kv_connector_metadata)
+            w.start_load_kv(None)
         for li, name in enumerate(LAYERS):
-            if fill is not None:
-                fill(self, so, li, name)
-            w.save_kv_layer(name, self.kv[name], attn_metadata=object())
-        w.wait_for_save()
-        sending, recving = w.get_finished(so.finished_req_ids)
-        invalid = w.get_block_ids_with_load_errors()
-        self.invalid |= invalid
-        w.clear_connector_metadata()
+            for r, w in enumerate(self.workers):
+                if fill is not None:
+                    self.rank, self.kv = r, self.kvs[r]
+                    fill(self, so, li, name)
+                w.save_kv_layer(name, self.kvs[r][name], attn_metadata=object())
+        self.rank, self.kv = 0, self.kvs[0]
+        for w in self.workers:
+            w.wait_for_save()
         ids = list(so.num_scheduled_tokens.keys())
-        out = ModelRunnerOutput(
-            req_ids=ids, req_id_to_index={r: i for i, r in enumerate(ids)},
-            sampled_token_ids=[[7] for _ in ids], logprobs=None, prompt_logprobs_dict={},
-            pooler_output=None,
-            kv_connector_output=KVConnectorOutput(finished_sending=sending, finished_recving=recving,
-                                                  invalid_block_ids=invalid),
-        )
+        outs = []
+        for w in self.workers:
+            sending, recving = w.get_finished(so.finished_req_ids)
+            invalid = w.get_block_ids_with_load_errors()
+            w.clear_connector_metadata()
+            outs.append(ModelRunnerOutput(
+                req_ids=ids, req_id_to_index={r: i for i, r in enumerate(ids)},
+                sampled_token_ids=[[7] for _ in ids], logprobs=None, prompt_logprobs_dict={},
+                pooler_output=None,
+                kv_connector_output=KVConnectorOutput(finished_sending=sending, finished_recving=recving,
+                                                      invalid_block_ids=invalid),
+            ))
+        # One rank: its output as it is; more: merged as vLLM's executor merges them.
+        out = outs[0] if self.tp == 1 else self.aggregator.aggregate(outs)
+        self.invalid |= out.kv_connector_output.invalid_block_ids
         self.sched.update_from_output(so, out)
         return so
 
     def close(self):
-        self.worker.shutdown()
+        for w in self.workers:
+            w.shutdown()
         self.conn.shutdown()
 
 
@@ -140,17 +188,20 @@ def make_request(rid, tokens, params, max_tokens=4):
     return req
 
 
-def kv_pattern(rid, layer, block_index):
-    """What P's stand-in forward writes for block ``block_index`` of request ``rid``."""
-    g = torch.Generator().manual_seed(hash((rid, layer, block_index)) & 0x7FFFFFFF)
-    return torch.rand(2, BLOCK, HEADS, HEAD_DIM, generator=g)
+def kv_pattern(rid, layer, block_index, rank=0, heads=HEADS):
+    """What P's stand-in forward writes for block ``block_index`` of request ``rid`` (TP rank
+    ``rank``'s shard of ``heads`` heads; every rank's differs)."""
+    seed = hash((rid, layer, block_index) if rank == 0 else (rid, layer, block_index, rank))
+    g = torch.Generator().manual_seed(seed & 0x7FFFFFFF)
+    return torch.rand(2, BLOCK, heads, HEAD_DIM, generator=g)
 
 
 def p_fill(side, so, li, name):
-    """P's stand-in attention: writes the KV of every prefill scheduled in this step."""
+    """P's stand-in attention: writes the KV of every prefill scheduled in this step (the shard
+    of TP rank ``side.rank``)."""
     for new in so.scheduled_new_reqs:
         for i, b in enumerate(new.block_ids[0]):
-            side.kv[name][:, b] = kv_pattern(new.req_id.split("/")[-1], li, i)
+            side.kv[name][:, b] = kv_pattern(new.req_id.split("/")[-1], li, i, side.rank, side.heads)
 
 
 __all__ = ["Side", "make_request", "kv_pattern", "p_fill", "free_port", "model_dir", "RequestStatus", "LAYERS"]

@@ -42,7 +42,9 @@ def register_tensor(engine, tensor, access="rw"):
     The tensor must stay alive until the returned region is unregistered.
     """
     if getattr(tensor, "device", None) is not None and str(tensor.device) != "cpu":
-        raise UnsupportedError(f"only CPU tensors can be registered here, got device {tensor.device}")
+        raise UnsupportedError(
+            f"only CPU tensors can be registered, got device {tensor.device}: kvwire's transports move "
+            "host memory (stage a CUDA tensor through pinned host memory, as kvwire.vllm.staging does)")
     if hasattr(tensor, "is_contiguous") and not tensor.is_contiguous():
         raise InvalidArgumentError("tensor must be contiguous")
     nbytes = tensor.numel() * tensor.element_size()

@@ -1,6 +1,6 @@
 """The differences between vLLM 0.18.1 and 0.33.0 that the connector depends on."""
 
-from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata
+from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorHandshakeMetadata, KVConnectorMetadata
 
 try:  # 0.33.0 and later
     from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorTransferResults
@@ -22,6 +22,28 @@ try:
     from vllm.distributed.kv_transfer.kv_connector.v1.base import SupportsHMA
 except ImportError:
     SupportsHMA = object
+
+# Handshake (both versions): after the workers registered their KV caches, EngineCore collects
+# each worker's get_handshake_metadata() (a KVConnectorHandshakeMetadata) and hands the
+# scheduler-side connector {tp_rank: metadata} through set_xfer_handshake_metadata (0.33.0 through
+# set_xfer_handshake_metadata_pp_aware, whose default drops the pp rank and refuses pp_rank > 0).
+
+
+def tp_size(vllm_config) -> int:
+    """The tensor parallel size of this vLLM instance."""
+    return max(1, int(getattr(vllm_config.parallel_config, "tensor_parallel_size", 1) or 1))
+
+
+def tp_rank(vllm_config) -> int:
+    """This worker's rank in its tensor parallel group, read as vLLM's own NIXL and Mooncake
+    connectors read it (``get_tensor_model_parallel_rank()``, the TP group's ``rank_in_group``,
+    which is also the key EngineCore gives our handshake metadata). At size 1 it is 0 without
+    asking vLLM (no process group is needed)."""
+    if tp_size(vllm_config) == 1:
+        return 0
+    from vllm.distributed import parallel_state
+
+    return int(parallel_state.get_tensor_model_parallel_rank())
 
 
 def block_ids_group0(blocks):

@@ -22,7 +22,8 @@ announced it started the request; until then ``get_num_new_matched_tokens`` retu
 and the request holds no block). ``send_mode``: ``whole`` (default) | ``layerwise``.
 ``stats_interval`` (s, default 0.1): how often vLLM's stats hooks take a new snapshot of the
 cores and engines (see docs/metrics.md). ``control_listen`` (scheduler), ``data_listen``
-(worker; D's must be reachable by P's worker and is announced to P by D's scheduler),
+(worker; D's must be reachable by P's worker and is announced to P by D's scheduler; TP rank r
+listens on its port + r),
 ``secret``, ``transport``, ``layers`` and the core's timeouts (``peer_timeout``,
 ``wait_for_p_timeout``, ``request_timeout``, ``drain_timeout``,
 ``block_ids_timeout``, in seconds).
@@ -31,10 +32,38 @@ Failures on D (P down, timeout, transfer error, P aborted) are reported through 
 path: the request is listed in ``finished_recving`` and its blocks in
 ``get_block_ids_with_load_errors`` (``kv_load_failure_policy`` decides fail or recompute). A D
 request aborted after its block ids went to P keeps its blocks (``request_finished`` returns
-``True``) until P confirms that no write is in flight.
+``True``) until P confirms that no write is in flight. One aborted once every layer landed
+holds nothing more: vLLM frees its blocks on its one report (``finished_recving``, or
+``finished_sending`` when the abort came before the workers were told).
 
-Limits: tensor parallel size 1; CPU KV caches on the worker side (the engine has no CUDA memory
-yet); D must not use a local prefix hit for a remote-prefill request (all prompt blocks are
+Tensor parallelism
+------------------
+P and D must run the same tensor parallel size N. Each worker (TP rank r, as vLLM's
+``get_tensor_model_parallel_rank``) has its own data engine holding its shard of every layer (its
+heads, the same block ids on every rank), and P's rank r writes its shard into D's rank r. Rank r
+listens on ``data_listen``'s port + r (each rank of a host needs its own port; port 0: an
+ephemeral port per rank). The addresses reach the scheduler through vLLM's own handshake hooks
+(``get_handshake_metadata`` on each worker, ``set_xfer_handshake_metadata`` in EngineCore, as NIXL
+does), so that what D announces to P is what its ranks actually bound, on whatever host each
+rank runs: D's scheduler announces its N rank addresses in rank order, comma-separated, in the
+control envelope; their count is D's TP size. (At N = 1 a configured ``data_listen`` is announced
+as before.) P's scheduler counts a layer as sent only when every one of its N ranks reported it
+(any failure fails the layer, hence the request, once no rank still writes). A P whose TP size
+differs from the size D announced fails the request's transfers at once (a transfer error, seen
+on D through the load-error path). Pipeline parallelism is not supported.
+
+GPU KV caches
+-------------
+kvwire's transports move host memory. ``staging``: ``auto`` (default: iff the KV cache is on
+CUDA) | ``always`` (CPU caches too) | ``never`` (a CUDA cache is refused) makes a worker go
+through pinned host memory (:mod:`kvwire.vllm.staging`): P gathers each layer transfer into a
+bounded pool (``staging_mb``, default 256) with async copies ordered after the layer's compute,
+then writes from there; D offers a host mirror of its KV cache (as much host memory as the
+cache) and copies a request's blocks to the device before reporting it received. Either side
+may stage or not, independently. With staging off, a CPU KV cache is registered and written in
+place.
+
+Limits: D must not use a local prefix hit for a remote-prefill request (all prompt blocks are
 received).
 """
 
@@ -59,6 +88,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 from vllm.v1.request import RequestStatus
 
 from kvwire.vllm import compat
+from kvwire.vllm import staging as _staging
 from kvwire.vllm import stats as _stats
 from kvwire.vllm.stats import KvwireConnectorStats, KvwirePromMetrics
 
@@ -68,9 +98,10 @@ logger = logging.getLogger("kvwire.vllm")
 # b"KVW1" | kind u8 | u16 len + sender control address | u16 len + sender data address | payload
 _MAGIC = b"KVW1"
 KIND_TO_P = 1  # payload: an encoded kvwire-connector Message from a D core to a P core
-KIND_XFER = 2  # payload: req u64 | layer u16 | ok u8 | bytes u64 (P worker -> P scheduler)
+# payload: req u64 | layer u16 | ok u8 | bytes u64 | TP rank u16 (P worker -> P scheduler)
+KIND_XFER = 2
 KIND_TO_D = 3  # payload: an encoded kvwire-connector Message from a P core to a D core
-_XFER = struct.Struct("<QHBQ")
+_XFER = struct.Struct("<QHBQH")
 
 
 def encode_envelope(kind: int, control: str, data: str, payload: bytes) -> bytes:
@@ -103,6 +134,51 @@ def request_key(transfer_id: str) -> int:
 
 def _now() -> int:
     return time.monotonic_ns()
+
+
+def _host_port(addr: str) -> tuple[str, int]:
+    host, sep, port = addr.rpartition(":")
+    try:
+        p = int(port)
+    except ValueError:
+        p = -1
+    if not sep or not host or not 0 <= p <= 65535:
+        raise kvwire.InvalidArgumentError(f"data address {addr!r} is not host:port")
+    return host, p
+
+
+def rank_listen(data_listen: str, rank: int) -> str:
+    """Where TP rank ``rank`` listens for data: ``data_listen`` itself for rank 0, its port +
+    ``rank`` for the others (port 0: an ephemeral port per rank)."""
+    if rank == 0:
+        return data_listen
+    host, port = _host_port(data_listen)
+    if port == 0:
+        return f"{host}:0"
+    if port + rank > 65535:
+        raise kvwire.InvalidArgumentError(f"data_listen {data_listen!r}: no port for tensor parallel rank {rank}")
+    return f"{host}:{port + rank}"
+
+
+def rank_address(announced: str, rank: int, tp: int) -> str:
+    """The data address of D's TP rank ``rank`` in what D's scheduler announced (its ranks'
+    addresses in rank order, comma-separated); a typed error when D's TP size differs."""
+    addrs = announced.split(",")
+    if len(addrs) != tp:
+        raise kvwire.InvalidArgumentError(
+            f"D announced {len(addrs) if announced else 0} data address(es), one per tensor parallel rank, "
+            f"but this instance has tensor parallel size {tp}: P and D must use the same size")
+    return addrs[rank]
+
+
+@dataclass
+class KvwireHandshake(compat.KVConnectorHandshakeMetadata):
+    """Worker -> scheduler at startup (vLLM's handshake hooks): where this TP rank's data engine
+    is reachable."""
+
+    rank: int
+    tp: int
+    data_addr: str
 
 
 class _Control:
@@ -166,6 +242,9 @@ class KvwireConnectorMetadata(KVConnectorMetadata):
 
     # D: requests whose KV fully landed (-> finished_recving).
     finished_recving: set = field(default_factory=set)
+    # D: the block ids of the requests in finished_recving (a staged worker copies them from its
+    # landing mirror to the device before reporting the request).
+    recv_block_ids: dict = field(default_factory=dict)
     # D: failed requests -> their block ids that did not load.
     failed_recving: dict = field(default_factory=dict)
     # Either side: delayed block frees that may now happen (-> finished_sending).
@@ -218,6 +297,7 @@ class KvwireConnector(KVConnectorBase_V1, compat.SupportsHMA):
         kt = vllm_config.kv_transfer_config
         self._is_producer = kt.kv_role in ("kv_producer", "kv_both")
         self._is_consumer = kt.kv_role in ("kv_consumer", "kv_both")
+        self._tp = compat.tp_size(vllm_config)
         if role == KVConnectorRole.SCHEDULER:
             self._sched = _SchedulerSide(self)
             self._worker = None
@@ -263,6 +343,16 @@ class KvwireConnector(KVConnectorBase_V1, compat.SupportsHMA):
 
     def has_pending_push_work(self):  # 0.33.0 only; keeps P stepping while sends are pending
         return self._sched is not None and self._sched.has_pending_work()
+
+    def get_handshake_metadata(self):
+        """Worker: this TP rank's data address (EngineCore collects every rank's at startup)."""
+        return self._worker.handshake() if self._worker is not None else None
+
+    def set_xfer_handshake_metadata(self, metadata):
+        """Scheduler: every TP rank's handshake (``{tp_rank: KvwireHandshake}``), once at
+        startup: what D announces to P as its data addresses."""
+        if self._sched is not None:
+            self._sched.set_rank_addrs(metadata)
 
     @property
     def control_addr(self) -> str:
@@ -320,7 +410,10 @@ class _SchedulerSide:
     def __init__(self, c: KvwireConnector):
         ex = c._extra
         self.c = c
-        self.control = _Control(ex.get("control_listen", "127.0.0.1:0"), c._secret, c._transport, ex.get("data_listen", ""))
+        # What D announces as its data address(es): at TP 1 the configured data_listen (the
+        # handshake may replace an unset one); above, nothing until every rank's handshake came.
+        self.control = _Control(ex.get("control_listen", "127.0.0.1:0"), c._secret, c._transport,
+                                ex.get("data_listen", "") if c._tp == 1 else "")
         t = dict(transport="kvwire")
 
         def opt(*names):
@@ -334,6 +427,9 @@ class _SchedulerSide:
         self.d_failed_early: dict[int, str] = {}  # failed before any reservation
         self.d_delayed: set[str] = set()  # aborted D requests whose blocks wait for P
         self.d_reported: set[str] = set()
+        # Listed in a step's finished_recving, the workers' report not back yet (a staged worker
+        # reports only once its landing copy completed).
+        self.d_recv_sent: set[str] = set()
         self.d_promoted: set[int] = set()
         # Promoted in this step: their first token comes out of this step's forward.
         self.d_first_pending: set[int] = set()
@@ -344,6 +440,10 @@ class _SchedulerSide:
         self.p_done: set[int] = set()
         self.p_delayed: set[str] = set()
         self.p_transfers_pending = 0
+        # key -> layer -> [ranks that reported, all ok, bytes]: a (request, layer) transfer is
+        # reported to the core once every TP rank reported it.
+        self.p_xfer: dict[int, dict[int, list]] = {}
+        self.tp_refused: set[int] = set()  # D peers whose TP size differs (warned once)
         self.peer_data: dict[int, str] = {}
         # Worker-bound, drained into the next metadata.
         self.out_recv: set[str] = set()
@@ -431,8 +531,23 @@ class _SchedulerSide:
             self._send(self.p, a[1], a[2], now)
         elif kind == "transfer":
             _, key, peer, layer, src, dst = a
-            self.out_transfers.append((key, layer, src, dst, self.peer_data.get(peer, ""), "now"))
+            data = self.peer_data.get(peer, "")
+            n = data.count(",") + 1 if data else 0  # D's TP size (nothing announced: 0)
+            if n != self.c._tp and (n or self.c._tp > 1):
+                if peer not in self.tp_refused:
+                    self.tp_refused.add(peer)
+                    logger.warning("kvwire: D %s announced %d data address(es), one per tensor parallel rank, "
+                                   "this P has tensor parallel size %d: its transfers fail",
+                                   self.control.addr_of(peer), n, self.c._tp)
+                self._dirty = True
+                try:
+                    self.p.transfer_failed(key, layer, now)
+                except kvwire.ConnectorError:
+                    pass
+                return
+            self.out_transfers.append((key, layer, src, dst, data, "now"))
             self.p_transfers_pending += 1
+            self.p_xfer.setdefault(key, {})[layer] = [set(), True, 0]
         elif kind == "release":
             req = self.p_req.get(a[1])
             if req is not None and req in self.p_delayed:
@@ -444,11 +559,17 @@ class _SchedulerSide:
 
     def _forget_d(self, key):
         self.d_first_pending.discard(key)
+        self.d_failed_early.pop(key, None)
         req = self.d_req.pop(key, None)
         if req is not None:
             self.d_key.pop(req, None)
+            self.d_reported.discard(req)
+            self.d_recv_sent.discard(req)
 
     def _forget_p(self, key):
+        open_xfers = self.p_xfer.pop(key, None)
+        if open_xfers:  # reports still due from some rank: they will be ignored
+            self.p_transfers_pending = max(0, self.p_transfers_pending - len(open_xfers))
         req = self.p_req.pop(key, None)
         if req is not None and req not in self.p_delayed:
             self.p_key.pop(req, None)
@@ -490,18 +611,45 @@ class _SchedulerSide:
                     logger.warning("kvwire: message from %s refused: %s", control, e)
             elif kind == KIND_XFER and self.p is not None:
                 try:
-                    key, layer, ok, nbytes = _XFER.unpack(payload)
+                    key, layer, ok, nbytes, rank = _XFER.unpack(payload)
                 except struct.error:
                     self.control.bad_messages += 1
                     continue
-                self.p_transfers_pending = max(0, self.p_transfers_pending - 1)
-                try:
-                    if ok:
-                        self.p.transfer_done(key, layer, nbytes, now)
-                    else:
-                        self.p.transfer_failed(key, layer, now)
-                except kvwire.ConnectorError as e:
-                    logger.debug("kvwire: transfer report refused: %s", e)
+                if rank >= self.c._tp:
+                    self.control.bad_messages += 1
+                    continue
+                self._xfer_report(key, layer, rank, ok, nbytes, now)
+
+    def _xfer_report(self, key, layer, rank, ok, nbytes, now):
+        """One P worker rank's report of a (request, layer) transfer. The core hears of the
+        transfer once every rank reported it (done if all succeeded, failed otherwise), so that
+        no rank still writes when the core fails or releases the request."""
+        layers = self.p_xfer.get(key)
+        st = layers.get(layer) if layers is not None else None
+        if st is None:
+            # Not a transfer in flight (its request is over): the core counts it as late or
+            # refuses it.
+            st = [None, bool(ok), nbytes]
+        elif rank in st[0]:
+            logger.debug("kvwire: repeated transfer report (layer %d, rank %d)", layer, rank)
+            return
+        else:
+            st[0].add(rank)
+            st[1] = st[1] and bool(ok)
+            st[2] += nbytes
+            if len(st[0]) < self.c._tp:
+                return
+            del layers[layer]
+            if not layers:
+                del self.p_xfer[key]
+            self.p_transfers_pending = max(0, self.p_transfers_pending - 1)
+        try:
+            if st[1]:
+                self.p.transfer_done(key, layer, st[2], now)
+            else:
+                self.p.transfer_failed(key, layer, now)
+        except kvwire.ConnectorError as e:
+            logger.debug("kvwire: transfer report refused: %s", e)
 
     # -- vLLM hooks --
     def get_num_new_matched_tokens(self, request, num_computed_tokens):
@@ -625,11 +773,13 @@ class _SchedulerSide:
         self.out_transfers = [t[:5] + ((late if t[0] in prefilling else "now"),) for t in self.out_transfers]
         meta = KvwireConnectorMetadata(
             finished_recving=self.out_recv,
+            recv_block_ids={r: list(self.d.reserved_blocks(self.d_key[r])) for r in self.out_recv if r in self.d_key},
             failed_recving=self.out_failed,
             finished_sending=self.out_sending,
             transfers=self.out_transfers,
             scheduler_control=self.control.addr,
         )
+        self.d_recv_sent |= self.out_recv
         self.out_recv, self.out_failed, self.out_sending, self.out_transfers = set(), {}, set(), []
         return meta
 
@@ -660,6 +810,7 @@ class _SchedulerSide:
         if self.d is not None and self.d_first_pending:
             self._d_first_tokens(now)
         for req in out.finished_recving or ():
+            self.d_recv_sent.discard(req)
             key = self.d_key.get(req)
             if key is None:
                 continue
@@ -687,6 +838,21 @@ class _SchedulerSide:
                 except kvwire.ConnectorError:
                     pass
                 self._forget_d(key)
+                return False, None
+            if req in self.out_recv or req in self.d_recv_sent or req in self.d_reported:
+                # Every layer landed: no write is in flight. vLLM frees the blocks itself, on one
+                # report of the aborted request (the finished_recving the workers have or had;
+                # one not handed to them yet becomes a finished_sending), or now when it took
+                # that report already. A release on top would be a second report: vLLM asserts.
+                if req in self.out_recv:
+                    self.out_recv.discard(req)
+                    self.out_sending.add(req)
+                self._forget_d(key)  # the core's release and failure actions below: ignored
+                try:
+                    self.d.abort(key, now)
+                except kvwire.ConnectorError:
+                    pass
+                self._run_actions(now)
                 return False, None
             held = bool(self.d.reserved_blocks(key))
             if held:
@@ -754,6 +920,20 @@ class _SchedulerSide:
         st = KvwireConnectorStats(data=self.deltas.delta(counters, hists, gauges))
         return None if st.is_empty() else st
 
+    def set_rank_addrs(self, metadata):
+        tp = self.c._tp
+        addrs = {}
+        for rank, m in (metadata or {}).items():
+            if isinstance(m, KvwireHandshake) and m.tp == tp and m.rank == rank:
+                addrs[rank] = m.data_addr
+        if sorted(addrs) != list(range(tp)):
+            logger.error("kvwire: data addresses of tensor parallel ranks %s reported, expected 0..%d: "
+                         "P cannot write into this instance's KV caches", sorted(addrs), tp - 1)
+            return
+        if tp == 1 and self.control.data_addr:
+            return  # the configured data_listen stays what is announced
+        self.control.data_addr = ",".join(addrs[r] for r in range(tp))
+
     def has_pending_work(self) -> bool:
         return bool(self.p_delayed or self.out_sending or self.out_transfers or self.p_transfers_pending)
 
@@ -767,7 +947,12 @@ class _WorkerSide:
     def __init__(self, c: KvwireConnector):
         self.c = c
         ex = c._extra
-        self.engine = kvwire.Engine(listen=ex.get("data_listen", "127.0.0.1:0"), secret=c._secret, transport=c._transport)
+        # Tensor parallelism: this rank's shard goes to (or comes from) the peer's same rank.
+        self.rank, self.tp = compat.tp_rank(c._vllm_config), c._tp
+        if not 0 <= self.rank < self.tp:
+            raise kvwire.InvalidArgumentError(f"tensor parallel rank {self.rank} out of range for size {self.tp}")
+        self.listen = rank_listen(ex.get("data_listen", "127.0.0.1:0"), self.rank)
+        self.engine = kvwire.Engine(listen=self.listen, secret=c._secret, transport=c._transport)
         self.layers: list[str] = []
         self.regions: dict[str, Any] = {}
         self.shape: dict[str, tuple] = {}  # name -> (halves, num_blocks, block_bytes)
@@ -780,6 +965,9 @@ class _WorkerSide:
         self.control = None
         self.deltas = _stats.DeltaTracker(_stats.worker_source())
         self.stats_at = None
+        # GPU KV caches go through host memory (kvwire.vllm.staging); None: direct (CPU caches).
+        self.staging_mode, self.staging_bytes = _staging.parse_options(ex)
+        self.stager = None
 
     def stats(self):
         now = _now()
@@ -796,9 +984,15 @@ class _WorkerSide:
         kc = self.c._kv_cache_config
         if kc is not None:
             num_blocks = kc.num_blocks
+        if kv_caches and _staging.wanted(self.staging_mode, [t.device.type for t in kv_caches.values()]):
+            dev = next(iter(kv_caches.values())).device
+            self.stager = _staging.Staging(self.engine, dev, self.staging_bytes, self.c._is_producer, self.c._is_consumer)
         for name, t in kv_caches.items():
-            if str(t.device) != "cpu":
-                raise kvwire.UnsupportedError(f"KV cache {name} is on {t.device}: only CPU KV caches are supported")
+            if self.stager is None and str(t.device) != "cpu":
+                raise kvwire.UnsupportedError(
+                    f"KV cache {name} is on {t.device}: kvwire's transports move host memory only; a CUDA cache "
+                    f"needs staging through pinned host memory (kv_connector_extra_config staging: auto or "
+                    f"always; it is {self.staging_mode!r})")
             n = num_blocks or (t.shape[1] if t.shape[0] == 2 else t.shape[0])
             if t.shape[0] == 2 and t.dim() > 1 and t.shape[1] == n:
                 halves, block_bytes = 2, t[0][0].numel() * t.element_size()
@@ -806,11 +1000,24 @@ class _WorkerSide:
                 halves, block_bytes = 1, t[0].numel() * t.element_size()
             else:
                 raise kvwire.InvalidArgumentError(f"KV cache {name}: unsupported shape {tuple(t.shape)}")
-            self.regions[name] = kvwire.register_tensor(self.engine, t, "rw")
+            if self.stager is not None:  # offered in its place: the landing mirror (D), or nothing
+                self.regions[name] = self.stager.add_layer(name, t, halves, n, block_bytes)
+            else:
+                self.regions[name] = kvwire.register_tensor(self.engine, t, "rw")
             self.shape[name] = (halves, n, block_bytes)
             self.layers.append(name)
 
+    def handshake(self):
+        # The configured host with the port bound (an ephemeral one included).
+        addr = self.engine.listen_addr
+        try:
+            addr = f"{_host_port(self.listen)[0]}:{_host_port(addr)[1]}"
+        except kvwire.InvalidArgumentError:
+            pass  # not host:port: announced as the engine gives it
+        return KvwireHandshake(self.rank, self.tp, addr)
+
     def _peer(self, addr):
+        addr = rank_address(addr, self.rank, self.tp)  # D's rank r, for our rank r
         p = self.peers.get(addr)
         if p is None or not p.alive:
             p = self.engine.connect(addr)
@@ -821,7 +1028,7 @@ class _WorkerSide:
         if self.control is None:
             self.control = _Control("127.0.0.1:0", self.c._secret, self.c._transport)
         try:
-            self.control.send(scheduler_control, KIND_XFER, _XFER.pack(key, layer, 1 if ok else 0, nbytes))
+            self.control.send(scheduler_control, KIND_XFER, _XFER.pack(key, layer, 1 if ok else 0, nbytes, self.rank))
         except kvwire.KvwireError as e:
             logger.warning("kvwire: cannot report transfer to the scheduler: %s", e)
 
@@ -836,6 +1043,9 @@ class _WorkerSide:
                 raise kvwire.InvalidArgumentError(f"D offers {len(remote)} KV regions, P has {len(self.layers)} layers")
             r = remote[layer]
             rn = r.len // (halves * bb)
+            if self.stager is not None:  # from the device cache through a pinned host chunk
+                self.stager.send(peer, name, src, dst, r, rn, (key, layer, meta.scheduler_control))
+                return
             ops = []
             for s, d in zip(src, dst):
                 for h in range(halves):
@@ -847,7 +1057,10 @@ class _WorkerSide:
             self._report(meta.scheduler_control, key, layer, False, 0)
 
     def start_load_kv(self, meta):
-        self.recv |= meta.finished_recving
+        if self.stager is None or not self.stager.consumer:
+            self.recv |= meta.finished_recving
+        else:  # reported by get_finished once their blocks were copied mirror -> device
+            self.stager.land(meta.finished_recving, meta.recv_block_ids)
         for req, blocks in meta.failed_recving.items():
             self.recv.add(req)
             self.load_errors.update(blocks)
@@ -866,6 +1079,9 @@ class _WorkerSide:
                 self._submit(meta, tr)
 
     def _reap(self, block: bool):
+        if self.stager is not None:
+            for (key, layer, sc), ok, nbytes in self.stager.reap(block):
+                self._report(sc, key, layer, ok, nbytes)
         keep = []
         for item in self.inflight:
             batch, key, layer, nbytes, sc = item
@@ -890,6 +1106,9 @@ class _WorkerSide:
 
     def get_finished(self):
         self._reap(block=False)
+        if self.stager is not None:  # D: + the requests whose blocks were copied to the device
+            self.recv, self.sending, bad = self.stager.settle(self.recv, self.sending)
+            self.load_errors |= bad
         recv, self.recv = self.recv, set()
         sending, self.sending = self.sending, set()
         return (sending or None), (recv or None)
@@ -900,5 +1119,7 @@ class _WorkerSide:
 
     def close(self):
         self.engine.shutdown()
+        if self.stager is not None:
+            self.stager.close()
         if self.control is not None:
             self.control.close()
