@@ -35,8 +35,18 @@ fn tcp_write_batches(s: &Scrape) -> f64 {
         .sum()
 }
 
-#[test]
-fn transfer_run_serves_parseable_metrics_while_running() {
+/// What one quick transfer run showed through its endpoint while it was going.
+struct Observed {
+    /// Scrapes that parsed.
+    parsed: u32,
+    /// Largest tcp write-batch count seen.
+    max_batches: f64,
+}
+
+/// Runs one quick transfer with `--metrics-addr` and scrapes its endpoint until a scrape shows
+/// the run's writes (and at least two parsed), or the run ends. Every scrape that answers must
+/// parse, and the run must succeed.
+fn observe_one_run() -> Observed {
     let mut child = Command::new(env!("CARGO_BIN_EXE_kvwire-bench"))
         .args([
             "--metrics-addr",
@@ -99,11 +109,33 @@ fn transfer_run_serves_parseable_metrics_while_running() {
     let status = child.wait().expect("wait");
     let log = drain.join().unwrap_or_default();
     assert!(status.success(), "kvwire-bench failed: {log}");
-    assert!(parsed >= 1, "no scrape succeeded while the run was going");
-    assert!(
-        max_batches > 0.0,
-        "the scraped counters never showed the run's writes"
-    );
+    Observed {
+        parsed,
+        max_batches,
+    }
+}
+
+/// Runs a quick transfer and scrapes it while it runs. How long the run lasts is up to the
+/// host (measured: 2.1–2.5 s for a debug build on a shared 2-core host; scrapes are 20 ms
+/// apart), and nothing in the bench waits for the test, so a starved test thread can see the
+/// run end before a scrape shows a completed write. Such a run proves nothing either way and
+/// is run again, up to `ATTEMPTS` times; a scrape that does not parse, or a failed run, fails
+/// the test at once.
+#[test]
+fn transfer_run_serves_parseable_metrics_while_running() {
+    const ATTEMPTS: usize = 3;
+    for attempt in 1..=ATTEMPTS {
+        let o = observe_one_run();
+        if o.parsed >= 1 && o.max_batches > 0.0 {
+            return;
+        }
+        eprintln!(
+            "attempt {attempt}: the run ended before a scrape showed its writes \
+             ({} scrapes parsed, {} write batches seen)",
+            o.parsed, o.max_batches
+        );
+    }
+    panic!("in {ATTEMPTS} runs, no scrape showed the run's writes while it was going");
 }
 
 #[test]

@@ -13,12 +13,27 @@ fn loopback() -> SocketAddr {
     SocketAddr::from(([127, 0, 0, 1], 0))
 }
 
+/// The quick plan with its wall-clock bounds per phase raised so far that only a hang reaches
+/// them: every phase then runs its full count (`max_ops` writes, `read_max_ops` reads,
+/// `kv_rounds` rounds) on any host, loaded or not, so the counts asserted below (operations,
+/// KV rounds, which write a fault lands on, which slots are read back) do not depend on how
+/// fast the host moves bytes. The sizes, hence the region the target needs, are the quick
+/// plan's.
+fn plan() -> Plan {
+    Plan {
+        max_secs: 600.0,
+        read_max_secs: 600.0,
+        kv_max_secs: 600.0,
+        ..Plan::quick()
+    }
+}
+
 fn target(transport: TransportKind, fault: Option<TargetFault>, secret: Option<&[u8]>) -> Target {
     Target::start(ServeConfig {
         listen: loopback(),
         secret: secret.map(|s| s.to_vec()),
         transport,
-        region_len: Plan::quick().data_region_len(),
+        region_len: plan().data_region_len(),
         fault,
     })
     .expect("target starts")
@@ -34,7 +49,7 @@ fn bench(
         secret: secret.map(|s| s.to_vec()),
         transport,
         listen: loopback(),
-        plan: Plan::quick(),
+        plan: plan(),
         progress: false,
         lanes: None,
         slice_size: None,
@@ -45,7 +60,7 @@ fn bench(
 fn assert_complete(r: &Report, transport: &str) {
     assert_eq!(r.engine, "kvwire");
     assert_eq!(r.transport, transport);
-    let plan = Plan::quick();
+    let plan = plan();
     for p in [Pattern::Serial, Pattern::Batch, Pattern::Read] {
         for &s in &plan.sizes {
             let row = r
@@ -190,7 +205,7 @@ fn serial_corruption_is_detected_without_per_write_tags() {
             .all(|x| x.verified));
         // no notification inside the timed serial, batch and read sections; one per layer
         // in the KV pattern
-        let plan = Plan::quick();
+        let plan = plan();
         let mut per_write_tags = 0;
         for x in &r.results {
             match x.pattern {

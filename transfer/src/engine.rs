@@ -796,6 +796,11 @@ impl Engine {
         if let Some(r) = p.pending.closed_reason() {
             return Err(Error::PeerDead(r));
         }
+        // Declared dead, its batches not yet failed (kill_peer sets the flag first): a peer
+        // that is not alive refuses new work with PeerDead, never with a region error.
+        if p.dead.load(Ordering::Acquire) {
+            return Err(Error::PeerDead("peer is being closed".into()));
+        }
         let start = Instant::now();
         let deadline = start + deadline.unwrap_or(core.cfg.default_deadline);
         let write = dir == Dir::Write;

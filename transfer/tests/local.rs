@@ -10,6 +10,7 @@ use std::time::Duration;
 
 use common::{mismatch, pattern};
 use kvwire_transfer::coalesce::coalesce;
+use kvwire_transfer::metrics::ERROR_KINDS;
 use kvwire_transfer::{
     Access, Engine, EngineConfig, Error, Op, RegionHandle, RegionId, TransportKind,
 };
@@ -68,8 +69,29 @@ fn auth_refuses_wrong_or_missing_secret_both_ways() {
             ok.connect(open.listen_addr()),
             Err(Error::AuthFailed)
         ));
-        // The refused attempts left no peers behind on either target.
-        std::thread::sleep(Duration::from_millis(50));
+        // The refused attempts left no peers behind on either target. A responder may finish
+        // a handshake the initiator refused after the initiator has returned, and counts each
+        // refused handshake as a connect error when it is done with it: waiting for those
+        // counts (not for a fixed time) makes sure both targets are done with every attempt
+        // before their peers are counted.
+        let refused = |e: &Engine| -> u64 {
+            let m = e.metrics();
+            ERROR_KINDS
+                .iter()
+                .map(|k| m.error_count("connect", k))
+                .sum()
+        };
+        let until = std::time::Instant::now() + Duration::from_secs(60);
+        while refused(&t) < 2 || refused(&open) < 1 {
+            assert!(
+                std::time::Instant::now() < until,
+                "refused handshakes not counted: target {}, open {}",
+                refused(&t),
+                refused(&open)
+            );
+            std::thread::sleep(Duration::from_millis(2));
+        }
+        assert_eq!((refused(&t), refused(&open)), (2, 1));
         assert_eq!(t.peers().len(), 1);
         assert_eq!(open.peers().len(), 0);
     }
@@ -328,8 +350,10 @@ fn shutdown_fails_everything_cleanly() {
         remote_offset: 0,
         len: 10,
     };
-    // The initiator sees the peer die (or the batch fail) — never a hang.
-    let r = match i.write(&p, &[op], None, Some(Duration::from_secs(5))) {
+    // The initiator sees the peer die (or the batch fail) — never a hang. The deadline only
+    // bounds a hang: a shorter one could pass before a loaded host lets the initiator read the
+    // closed connection, and turn PeerDead into Timeout.
+    let r = match i.write(&p, &[op], None, Some(Duration::from_secs(60))) {
         Ok(b) => b.wait(),
         Err(e) => Err(e),
     };
