@@ -13,10 +13,10 @@ import torch  # noqa: E402
 
 import kvwire  # noqa: E402
 from kvwire.vllm import KvwireConnector, KvwireConnectorMetadata  # noqa: E402
-from vllm_harness import LAYERS, RequestStatus, Side, free_port, kv_pattern, make_request, model_dir, p_fill  # noqa: E402
+from vllm_harness import (  # noqa: E402
+    LAYERS, MAX_STEPS, PEER_TIMEOUT, RequestStatus, Side, assert_no_leak, d_request, free_port, kv_pattern,
+    make_request, model_dir, p_fill, p_request, run_until)
 
-MAX_STEPS = 60  # every loop below is bounded
-PEER_TIMEOUT = 600.0  # s; see the pair fixture
 
 
 @pytest.fixture(scope="module")
@@ -43,21 +43,6 @@ def pair(mdir):
     yield make
     for s in sides:
         s.close()
-
-
-def d_request(rid, p, tokens=40):
-    return make_request(f"d/{rid}", tokens, {"do_remote_prefill": True, "transfer_id": rid,
-                                             "remote_control": p.conn.control_addr})
-
-
-def p_request(rid, d, tokens=40):
-    return make_request(f"p/{rid}", tokens, {"do_remote_decode": True, "transfer_id": rid,
-                                             "remote_control": d.conn.control_addr}, max_tokens=1)
-
-
-def assert_no_leak(side):
-    assert side.free_blocks() == side.num_blocks - 1, "blocks leaked"
-    assert not side.sched.requests, "requests left in the scheduler"
 
 
 def d_maps_empty(side):
@@ -90,15 +75,6 @@ def count_frees(side):
 
     side.sched._free_blocks = free_blocks
     return freed
-
-
-def run_until(cond, *steps):
-    for _ in range(MAX_STEPS):
-        if cond():
-            return True
-        for s in steps:
-            s()
-    return cond()
 
 
 def check_kv(d, rid, block_ids):

@@ -16,8 +16,6 @@ import kvwire  # noqa: E402
 from kvwire.vllm import staging  # noqa: E402
 from kvwire.vllm.staging import ALIGN, PoolAllocator, Staging, runs  # noqa: E402
 
-MAX_STEPS = 60  # every loop below is bounded
-PEER_TIMEOUT = 600.0  # s; see test_vllm_connector's pair fixture
 
 
 # ---- unit tests: no vLLM ----------------------------------------------------------------------
@@ -404,7 +402,9 @@ def test_cuda_branch_orders_copies_after_the_compute_stream(engines, monkeypatch
 
 vllm = pytest.importorskip("vllm", reason="vLLM not installed in this venv (run tests/python/setup.sh)")
 
-from vllm_harness import LAYERS, RequestStatus, Side, free_port, kv_pattern, make_request, model_dir, p_fill  # noqa: E402
+from vllm_harness import (  # noqa: E402
+    LAYERS, MAX_STEPS, PEER_TIMEOUT, RequestStatus, Side, assert_no_leak, d_request, free_port, kv_pattern,
+    make_request, model_dir, p_fill, p_request, run_until)
 
 
 @pytest.fixture(scope="module")
@@ -426,30 +426,6 @@ def pair(mdir):
     yield make
     for s in sides:
         s.close()
-
-
-def d_request(rid, p, tokens=40):
-    return make_request(f"d/{rid}", tokens, {"do_remote_prefill": True, "transfer_id": rid,
-                                             "remote_control": p.conn.control_addr})
-
-
-def p_request(rid, d, tokens=40):
-    return make_request(f"p/{rid}", tokens, {"do_remote_decode": True, "transfer_id": rid,
-                                             "remote_control": d.conn.control_addr}, max_tokens=1)
-
-
-def run_until(cond, *steps):
-    for _ in range(MAX_STEPS):
-        if cond():
-            return True
-        for s in steps:
-            s()
-    return cond()
-
-
-def assert_no_leak(side):
-    assert side.free_blocks() == side.num_blocks - 1, "blocks leaked"
-    assert not side.sched.requests, "requests left in the scheduler"
 
 
 def stager(side):

@@ -204,4 +204,37 @@ def p_fill(side, so, li, name):
             side.kv[name][:, b] = kv_pattern(new.req_id.split("/")[-1], li, i, side.rank, side.heads)
 
 
-__all__ = ["Side", "make_request", "kv_pattern", "p_fill", "free_port", "model_dir", "RequestStatus", "LAYERS"]
+# ---- shared by the connector test files -------------------------------------------------------
+
+MAX_STEPS = 60  # every stepping loop of the tests is bounded
+# s: both sides step on one thread in these tests, so a step stalled on a loaded box must not
+# look like a dead peer; tests about liveness pass their own value.
+PEER_TIMEOUT = 600.0
+
+
+def d_request(rid, p, tokens=40):
+    return make_request(f"d/{rid}", tokens, {"do_remote_prefill": True, "transfer_id": rid,
+                                             "remote_control": p.conn.control_addr})
+
+
+def p_request(rid, d, tokens=40):
+    return make_request(f"p/{rid}", tokens, {"do_remote_decode": True, "transfer_id": rid,
+                                             "remote_control": d.conn.control_addr}, max_tokens=1)
+
+
+def run_until(cond, *steps):
+    for _ in range(MAX_STEPS):
+        if cond():
+            return True
+        for s in steps:
+            s()
+    return cond()
+
+
+def assert_no_leak(side):
+    assert side.free_blocks() == side.num_blocks - 1, "blocks leaked"
+    assert not side.sched.requests, "requests left in the scheduler"
+
+
+__all__ = ["Side", "make_request", "kv_pattern", "p_fill", "free_port", "model_dir", "RequestStatus", "LAYERS",
+           "MAX_STEPS", "PEER_TIMEOUT", "d_request", "p_request", "run_until", "assert_no_leak"]
