@@ -84,15 +84,7 @@ fn run_frozen(
 ) -> ClockReport {
     let mut cfg = cfg.clone();
     cfg.link_speed = LinkSpeed::Frozen;
-    let mut dp = DataPath::new(
-        cfg.transport,
-        cfg.layers,
-        cfg.p_pool_blocks,
-        cfg.d_pool_blocks,
-        cfg.layer_block_bytes(),
-        cfg.seed ^ 0xC10C,
-    )
-    .expect("data path");
+    let mut dp = DataPath::for_config(&cfg).expect("data path");
     // One recorded layer at exactly this speed is the whole window, so its median; frozen, it
     // is the speed of every layer after.
     dp.clear_speed_window();

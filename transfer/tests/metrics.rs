@@ -11,7 +11,7 @@ use std::io::{BufRead, Read, Write};
 use std::net::{SocketAddr, TcpStream};
 use std::time::{Duration, Instant};
 
-use common::{mismatch, pattern};
+use common::{mismatch, op_at, pattern};
 use kvwire_transfer::metrics::{ERROR_KINDS, ERROR_STAGES, SIZE_CLASSES};
 use kvwire_transfer::{
     Access, BatchStats, Engine, EngineConfig, Error, MetricsSnapshot, Op, TransportKind,
@@ -146,21 +146,6 @@ impl Expect {
     }
 }
 
-fn op(
-    local: kvwire_transfer::RegionHandle,
-    remote: kvwire_transfer::RegionId,
-    off: u64,
-    len: u64,
-) -> Op {
-    Op {
-        local,
-        local_offset: off,
-        remote,
-        remote_offset: off,
-        len,
-    }
-}
-
 fn check_target(t: &Engine, dst: kvwire_transfer::RegionHandle, off: u64, len: usize) {
     let mut buf = vec![0u8; len];
     t.local_read(dst, off, &mut buf).expect("read target");
@@ -186,7 +171,7 @@ fn run_sequence(kind: TransportKind) {
 
     // A: 4 KiB with a notification.
     let st = i
-        .write(&p, &[op(src, rid, 0, 4096)], Some(b"a"), None)
+        .write(&p, &[op_at(src, rid, 0, 4096)], Some(b"a"), None)
         .expect("submit A")
         .wait()
         .expect("A");
@@ -201,7 +186,10 @@ fn run_sequence(kind: TransportKind) {
     let st = i
         .write(
             &p,
-            &[op(src, rid, 8192, 50_000), op(src, rid, 100_000, 50_000)],
+            &[
+                op_at(src, rid, 8192, 50_000),
+                op_at(src, rid, 100_000, 50_000),
+            ],
             None,
             None,
         )
@@ -214,7 +202,7 @@ fn run_sequence(kind: TransportKind) {
     check_target(&t, dst, 100_000, 50_000);
     // C: 2 MiB.
     let st = i
-        .write(&p, &[op(src, rid, MIB, 2 * MIB)], None, None)
+        .write(&p, &[op_at(src, rid, MIB, 2 * MIB)], None, None)
         .expect("submit C")
         .wait()
         .expect("C");
@@ -241,13 +229,18 @@ fn run_sequence(kind: TransportKind) {
     assert_eq!(got, want, "read-back bytes");
     // E: out of bounds, refused at submit.
     let e = i
-        .write(&p, &[op(src, rid, 4 * MIB - 100, 4096)], None, None)
+        .write(&p, &[op_at(src, rid, 4 * MIB - 100, 4096)], None, None)
         .expect_err("out of bounds must be refused");
     assert!(matches!(e, Error::OutOfBounds { .. }), "{e}");
     x.err("submit", &e);
     // G: 4 MiB with a zero deadline: whatever the outcome, it is counted as such.
     let r = i
-        .write(&p, &[op(src, rid, 0, 4 * MIB)], None, Some(Duration::ZERO))
+        .write(
+            &p,
+            &[op_at(src, rid, 0, 4 * MIB)],
+            None,
+            Some(Duration::ZERO),
+        )
         .expect("submit G")
         .wait();
     match &r {
@@ -279,7 +272,7 @@ fn run_sequence(kind: TransportKind) {
     let until = Instant::now() + Duration::from_secs(60);
     loop {
         let e = i
-            .write(&p2, &[op(src, rid, 0, 16)], None, None)
+            .write(&p2, &[op_at(src, rid, 0, 16)], None, None)
             .expect_err("write to a dead peer");
         x.err("submit", &e);
         match e {
@@ -495,7 +488,7 @@ fn disabled_metrics_count_no_batches() {
     let src = i.alloc_region(4096, Access::Local).expect("src");
     i.local_write(src, 0, &pattern(7, 0, 4096)).expect("fill");
     let p = i.connect(t.listen_addr()).expect("connect");
-    i.write(&p, &[op(src, t.region_id(dst), 0, 4096)], None, None)
+    i.write(&p, &[op_at(src, t.region_id(dst), 0, 4096)], None, None)
         .expect("submit")
         .wait()
         .expect("batch");
@@ -544,7 +537,7 @@ fn totals_keep_the_counts_of_peers_that_are_gone() {
         let p = i.connect(t.listen_addr()).expect("connect");
         let n = 4096 + round * 1000;
         let st = i
-            .write(&p, &[op(src, t.region_id(dst), 0, n)], None, None)
+            .write(&p, &[op_at(src, t.region_id(dst), 0, n)], None, None)
             .expect("submit")
             .wait()
             .expect("write");
@@ -634,13 +627,13 @@ fn tracing_events_carry_structured_fields() {
     let src = i.alloc_region(12288, Access::Local).expect("src");
     i.local_write(src, 0, &pattern(7, 0, 12288)).expect("fill");
     let p = i.connect(t.listen_addr()).expect("connect");
-    i.write(&p, &[op(src, t.region_id(dst), 0, 3000)], None, None)
+    i.write(&p, &[op_at(src, t.region_id(dst), 0, 3000)], None, None)
         .expect("submit")
         .wait()
         .expect("write");
     check_target(&t, dst, 0, 3000);
     let e = i
-        .write(&p, &[op(src, t.region_id(dst), 12000, 3000)], None, None)
+        .write(&p, &[op_at(src, t.region_id(dst), 12000, 3000)], None, None)
         .expect_err("out of bounds");
     assert!(matches!(e, Error::OutOfBounds { .. }));
     let ev = events.lock().expect("events").clone();

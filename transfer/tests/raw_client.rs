@@ -8,6 +8,7 @@ use std::io::{Read, Write};
 use std::net::{SocketAddr, TcpStream};
 use std::time::Duration;
 
+use common::raw_peer::{self, answer, write_header};
 use common::{mismatch, pattern};
 use kvwire_transfer::wire::{
     self, CtrlMsg, FrameHeader, FrameKind, HostIdentity, FRAME_HEADER_LEN,
@@ -110,15 +111,7 @@ fn malformed_handshakes_are_refused_and_the_target_keeps_serving() {
     assert!(closed);
 
     // Wrong version.
-    let mut hello = CtrlMsg::Hello {
-        nonce: [1; 32],
-        auth: false,
-        host: HostIdentity::default(),
-        listen_port: 1,
-        transports: wire::TRANSPORT_TCP,
-        blobs: vec![],
-    }
-    .encode();
+    let mut hello = raw_peer::hello(1, false).encode();
     hello[4..6].copy_from_slice(&99u16.to_le_bytes());
     let mut s = raw(addr);
     s.write_all(&hello).expect("send");
@@ -177,80 +170,14 @@ fn malformed_handshakes_are_refused_and_the_target_keeps_serving() {
     good_transfer(&t, r, 11);
 }
 
-/// Handshake by hand; returns the control stream and a joined data lane.
 fn raw_session(addr: SocketAddr) -> (TcpStream, TcpStream) {
-    let mut c = raw(addr);
-    c.write_all(
-        &CtrlMsg::Hello {
-            nonce: [3; 32],
-            auth: false,
-            host: HostIdentity::default(),
-            listen_port: 1,
-            transports: wire::TRANSPORT_TCP,
-            blobs: vec![],
-        }
-        .encode(),
-    )
-    .expect("hello");
-    let token = match wire::read_ctrl(&mut c).expect("reply") {
-        CtrlMsg::HelloReply { token, .. } => token,
-        m => panic!("expected HelloReply, got {m:?}"),
-    };
-    c.write_all(
-        &CtrlMsg::Auth {
-            mac: vec![],
-            transport: wire::TRANSPORT_TCP,
-            token: [9; 16],
-            regions: vec![],
-        }
-        .encode(),
-    )
-    .expect("auth");
-    match wire::read_ctrl(&mut c).expect("welcome") {
-        CtrlMsg::Welcome { .. } => {}
-        m => panic!("expected Welcome, got {m:?}"),
-    }
-    let mut lane = raw(addr);
-    lane.write_all(&CtrlMsg::LaneJoin { token, lane: 0 }.encode())
-        .expect("join");
-    assert_eq!(
-        wire::read_ctrl(&mut lane).expect("lane ok"),
-        CtrlMsg::LaneOk
-    );
-    (c, lane)
+    raw_peer::raw_session(addr, raw)
 }
 
 fn write_frame(region: RegionId, offset: u64, payload: &[u8], batch: u64) -> Vec<u8> {
-    let mut v = FrameHeader {
-        kind: FrameKind::Write,
-        flags: 0,
-        batch,
-        region,
-        offset,
-        len: payload.len() as u32,
-        aux: 0,
-    }
-    .encode()
-    .to_vec();
+    let mut v = write_header(region, offset, payload.len(), batch).to_vec();
     v.extend_from_slice(payload);
     v
-}
-
-/// Reads one answer frame (header + payload).
-fn answer(s: &mut TcpStream) -> (FrameHeader, Vec<u8>) {
-    let mut h = [0u8; FRAME_HEADER_LEN];
-    s.read_exact(&mut h).expect("answer header");
-    let h = FrameHeader::decode(&h).expect("valid answer");
-    let mut p = vec![
-        0u8;
-        if h.kind.has_payload() {
-            h.len as usize
-        } else {
-            0
-        }
-    ];
-    s.read_exact(&mut p).expect("answer payload");
-    (h, p)
 }
 
 fn expect_error(s: &mut TcpStream, batch: u64) -> Error {
@@ -492,18 +419,8 @@ fn each_side_checks_the_other_sides_proof() {
     })
     .expect("engine");
     let mut c = raw(t.listen_addr());
-    c.write_all(
-        &CtrlMsg::Hello {
-            nonce: [3; 32],
-            auth: true,
-            host: HostIdentity::default(),
-            listen_port: 1,
-            transports: wire::TRANSPORT_TCP,
-            blobs: vec![],
-        }
-        .encode(),
-    )
-    .expect("hello");
+    c.write_all(&raw_peer::hello(3, true).encode())
+        .expect("hello");
     match wire::read_ctrl(&mut c).expect("reply") {
         CtrlMsg::HelloReply {
             mac, auth_required, ..
@@ -513,16 +430,8 @@ fn each_side_checks_the_other_sides_proof() {
         }
         m => panic!("expected HelloReply, got {m:?}"),
     }
-    c.write_all(
-        &CtrlMsg::Auth {
-            mac: vec![0x55; 32],
-            transport: wire::TRANSPORT_TCP,
-            token: [9; 16],
-            regions: vec![],
-        }
-        .encode(),
-    )
-    .expect("auth");
+    c.write_all(&raw_peer::auth(vec![0x55; 32]).encode())
+        .expect("auth");
     let (msgs, closed) = drain_ctrl(&mut c);
     assert!(matches!(reject_error(&msgs), Error::AuthFailed));
     assert!(closed);

@@ -18,15 +18,14 @@ mod common;
 
 use std::io::{Read, Write};
 use std::net::{SocketAddr, TcpStream};
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
-use std::sync::{mpsc, Arc};
+use std::sync::mpsc;
 use std::time::Duration;
 
-use common::{mismatch, pattern, Target};
-use kvwire_transfer::wire::{
-    self, CtrlMsg, FrameHeader, FrameKind, HostIdentity, FRAME_HEADER_LEN,
-};
-use kvwire_transfer::{Access, Batch, Engine, EngineConfig, Error, Op, RegionId, TransportKind};
+use common::race::{Racers, RawTarget};
+use common::raw_peer::{answer, raw_session, write_header};
+use common::{mismatch, op_at, pattern, Target};
+use kvwire_transfer::wire::{self, FrameKind};
+use kvwire_transfer::{Access, Engine, EngineConfig, Error, Op, RegionId, TransportKind};
 
 #[test]
 fn child_main() {
@@ -35,10 +34,6 @@ fn child_main() {
 
 const RAW: usize = 16 << 20;
 const THREADS: usize = 3;
-/// Bound on batches per writer thread.
-const MAX_BATCHES: usize = 3000;
-/// Batches each writer keeps in flight.
-const INFLIGHT: usize = 4;
 
 fn tcp_engine() -> Engine {
     Engine::new(EngineConfig {
@@ -46,27 +41,6 @@ fn tcp_engine() -> Engine {
         ..Default::default()
     })
     .expect("engine")
-}
-
-/// What a writer/reader thread saw: batches completed, batches refused as stale.
-#[derive(Default, Clone, Copy)]
-struct Outcome {
-    ok: u64,
-    stale: u64,
-}
-
-/// Waits for the batches in flight; anything but success or `StaleRegion` is a failure.
-fn settle(inflight: &mut Vec<Batch>, out: &mut Outcome, done: &AtomicU64) {
-    for b in inflight.drain(..) {
-        match b.wait() {
-            Ok(_) => {
-                out.ok += 1;
-                done.fetch_add(1, Ordering::Relaxed);
-            }
-            Err(Error::StaleRegion(_)) => out.stale += 1,
-            Err(other) => panic!("batch: unexpected {other}"),
-        }
-    }
 }
 
 /// Length and offset of batch `i` of thread `th`: 4 MiB batches (striped over every lane in
@@ -83,104 +57,30 @@ fn shape(i: usize, th: usize) -> (u64, u64) {
 
 fn write_race_once(round: u64) {
     // Region 0: memfd (control), region 1: caller memory.
-    let mut t = Target::spawn("child_main", &format!("1048576:rw,{RAW}:rw:raw"), None);
-    let e = tcp_engine();
-    let p = e.connect(t.addr).expect("connect");
-    assert_eq!(p.transport(), TransportKind::Tcp);
-    let raw = p.regions()[1].id;
-    let src = e.alloc_region(RAW, Access::Local).expect("src");
-    let seed = 300 + round;
-    e.local_write(src, 0, &pattern(seed, 0, RAW)).expect("fill");
-    // Before the race: one verified write of the whole region.
-    let whole = Op {
-        local: src,
-        local_offset: 0,
-        remote: raw,
-        remote_offset: 0,
-        len: RAW as u64,
-    };
-    e.write(&p, &[whole], None, None)
-        .expect("submit")
-        .wait()
-        .expect("first write");
-    assert_eq!(t.cmd(&format!("check 1 0 {RAW} {seed}")), "OK");
-
-    let stop = Arc::new(AtomicBool::new(false));
-    let done = Arc::new(AtomicU64::new(0));
-    let mut handles = Vec::new();
-    for th in 0..THREADS {
-        let (e, p, stop, done) = (e.clone(), p.clone(), stop.clone(), done.clone());
-        handles.push(std::thread::spawn(move || {
-            let mut out = Outcome::default();
-            let mut inflight = Vec::new();
-            for i in 0..MAX_BATCHES {
-                let (len, off) = shape(i, th);
-                let op = Op {
-                    local: src,
-                    local_offset: off,
-                    remote: raw,
-                    remote_offset: off,
-                    len,
-                };
-                // Half of the batches carry a notification (tracked slices).
-                let tag = (i % 2 == 0).then_some(&b"race"[..]);
-                match e.write(&p, &[op], tag, None) {
-                    Ok(b) => inflight.push(b),
-                    Err(Error::StaleRegion(_)) => out.stale += 1,
-                    Err(other) => panic!("submit: unexpected {other}"),
-                }
-                if inflight.len() >= INFLIGHT {
-                    settle(&mut inflight, &mut out, &done);
-                }
-                if stop.load(Ordering::Acquire) && out.stale > 0 {
-                    break;
-                }
-            }
-            settle(&mut inflight, &mut out, &done);
-            out
-        }));
-    }
+    let mut rt = RawTarget::start(TransportKind::Tcp, TransportKind::Tcp, RAW, 300 + round);
+    let (e, p, src, raw, seed) = (rt.e.clone(), rt.p.clone(), rt.src, rt.raw, rt.seed);
+    let racers = Racers::spawn(THREADS, move |i, th| {
+        let (len, off) = shape(i, th);
+        let op = op_at(src, raw, off, len);
+        // Half of the batches carry a notification (tracked slices).
+        let tag = (i % 2 == 0).then_some(&b"race"[..]);
+        e.write(&p, &[op], tag, None)
+    });
     // Let writes flow; check the bytes every write completed so far left (all carry the
     // region's pattern), then unregister under the writes still running.
-    let mut waited = 0;
-    while done.load(Ordering::Relaxed) < 16 && waited < 2000 {
-        std::thread::sleep(Duration::from_millis(5));
-        waited += 1;
-    }
-    assert_eq!(t.cmd(&format!("check 1 0 {RAW} {seed}")), "OK");
+    racers.wait_completed(16);
+    assert_eq!(rt.t.cmd(&format!("check 1 0 {RAW} {seed}")), "OK");
     let guard = 9_000 + round;
-    assert_eq!(t.cmd(&format!("unregister_guard 1 {guard}")), "OK");
-    stop.store(true, Ordering::Release);
-    let outs: Vec<Outcome> = handles
-        .into_iter()
-        .map(|h| h.join().expect("writer thread"))
-        .collect();
+    rt.unregister_guard(guard);
+    let outs = racers.stop("writer");
     assert!(
-        outs.iter().all(|o| o.stale > 0),
+        outs.iter().all(|o| o.stale_all() > 0),
         "every writer must have seen StaleRegion"
     );
     assert!(outs.iter().map(|o| o.ok).sum::<u64>() >= 16);
-    // No byte of any write landed after unregister returned.
-    assert_eq!(t.cmd(&format!("check_guard 1 {guard}")), "OK");
-    // The peer and the other region still work, bytes checked at both ends.
-    let ctl = p.regions()[0].id;
-    e.write(
-        &p,
-        &[Op {
-            local: src,
-            local_offset: 0,
-            remote: ctl,
-            remote_offset: 0,
-            len: 1 << 20,
-        }],
-        None,
-        None,
-    )
-    .expect("submit")
-    .wait()
-    .expect("write after the race");
-    assert_eq!(t.cmd(&format!("check 0 0 1048576 {seed}")), "OK");
-    assert!(p.is_alive());
+    // No byte of any write landed after unregister returned; the peer and the other region
+    // still work, bytes checked at both ends.
+    rt.finish(guard);
 }
 
 #[test]
@@ -250,44 +150,15 @@ fn read_race_once(round: u64) {
         .expect("first read");
     assert_eq!(mismatch(seed, 0, &buf.snapshot()), None);
 
-    let stop = Arc::new(AtomicBool::new(false));
-    let done = Arc::new(AtomicU64::new(0));
-    let mut handles = Vec::new();
-    for th in 0..THREADS {
-        let (e, p, stop, done) = (e.clone(), p.clone(), stop.clone(), done.clone());
-        handles.push(std::thread::spawn(move || {
-            let mut out = Outcome::default();
-            let mut inflight = Vec::new();
-            for i in 0..MAX_BATCHES {
-                let (len, off) = shape(i, th);
-                let op = Op {
-                    local: dst,
-                    local_offset: off,
-                    remote,
-                    remote_offset: off,
-                    len,
-                };
-                match e.read(&p, &[op], None) {
-                    Ok(b) => inflight.push(b),
-                    Err(Error::StaleRegion(_)) => out.stale += 1,
-                    Err(other) => panic!("submit: unexpected {other}"),
-                }
-                if inflight.len() >= INFLIGHT {
-                    settle(&mut inflight, &mut out, &done);
-                }
-                if stop.load(Ordering::Acquire) && out.stale > 0 {
-                    break;
-                }
-            }
-            settle(&mut inflight, &mut out, &done);
-            out
-        }));
-    }
-    let mut waited = 0;
-    while done.load(Ordering::Relaxed) < 16 && waited < 2000 {
-        std::thread::sleep(Duration::from_millis(5));
-        waited += 1;
-    }
+    let racers = {
+        let (e, p) = (e.clone(), p.clone());
+        Racers::spawn(THREADS, move |i, th| {
+            let (len, off) = shape(i, th);
+            let op = op_at(dst, remote, off, len);
+            e.read(&p, &[op], None)
+        })
+    };
+    racers.wait_completed(16);
     // Every read completed so far left the peer's pattern.
     let mut check = vec![0u8; RAW];
     e.local_read(dst, 0, &mut check).expect("local read");
@@ -295,13 +166,9 @@ fn read_race_once(round: u64) {
     let guard = pattern(11_000 + round, 0, RAW);
     e.unregister(dst).expect("unregister");
     buf.fill(&guard);
-    stop.store(true, Ordering::Release);
-    let outs: Vec<Outcome> = handles
-        .into_iter()
-        .map(|h| h.join().expect("reader thread"))
-        .collect();
+    let outs = racers.stop("reader");
     assert!(
-        outs.iter().all(|o| o.stale > 0),
+        outs.iter().all(|o| o.stale_all() > 0),
         "every reader must have seen StaleRegion"
     );
     assert!(outs.iter().map(|o| o.ok).sum::<u64>() >= 16);
@@ -325,78 +192,6 @@ fn raw_stream(addr: SocketAddr) -> TcpStream {
     s.set_read_timeout(Some(Duration::from_secs(30)))
         .expect("timeout");
     s
-}
-
-/// Handshake by hand (a peer on another host: no shm, no fence); returns the control stream
-/// and a joined data lane.
-fn raw_session(addr: SocketAddr) -> (TcpStream, TcpStream) {
-    let mut c = raw_stream(addr);
-    c.write_all(
-        &CtrlMsg::Hello {
-            nonce: [5; 32],
-            auth: false,
-            host: HostIdentity::default(),
-            listen_port: 1,
-            transports: wire::TRANSPORT_TCP,
-            blobs: vec![],
-        }
-        .encode(),
-    )
-    .expect("hello");
-    let token = match wire::read_ctrl(&mut c).expect("reply") {
-        CtrlMsg::HelloReply { token, .. } => token,
-        m => panic!("expected HelloReply, got {m:?}"),
-    };
-    c.write_all(
-        &CtrlMsg::Auth {
-            mac: vec![],
-            transport: wire::TRANSPORT_TCP,
-            token: [7; 16],
-            regions: vec![],
-        }
-        .encode(),
-    )
-    .expect("auth");
-    match wire::read_ctrl(&mut c).expect("welcome") {
-        CtrlMsg::Welcome { .. } => {}
-        m => panic!("expected Welcome, got {m:?}"),
-    }
-    let mut lane = raw_stream(addr);
-    lane.write_all(&CtrlMsg::LaneJoin { token, lane: 0 }.encode())
-        .expect("join");
-    assert_eq!(
-        wire::read_ctrl(&mut lane).expect("lane ok"),
-        CtrlMsg::LaneOk
-    );
-    (c, lane)
-}
-
-fn write_header(region: RegionId, offset: u64, len: usize, batch: u64) -> [u8; FRAME_HEADER_LEN] {
-    FrameHeader {
-        kind: FrameKind::Write,
-        flags: 0,
-        batch,
-        region,
-        offset,
-        len: len as u32,
-        aux: 0,
-    }
-    .encode()
-}
-
-/// Reads one answer frame from the target (header + payload).
-fn answer(s: &mut TcpStream) -> (FrameHeader, Vec<u8>) {
-    let mut h = [0u8; FRAME_HEADER_LEN];
-    s.read_exact(&mut h).expect("answer header");
-    let h = FrameHeader::decode(&h).expect("valid answer");
-    let n = if h.kind.has_payload() {
-        h.len as usize
-    } else {
-        0
-    };
-    let mut p = vec![0u8; n];
-    s.read_exact(&mut p).expect("answer payload");
-    (h, p)
 }
 
 const MID: usize = 1 << 20;
@@ -426,7 +221,7 @@ fn stalled_write(
     // writes.
     let h = unsafe { t.register_raw(buf.ptr, buf.len, Access::ReadWrite) }.expect("register");
     let id = t.region_id(h);
-    let (c, mut lane) = raw_session(t.listen_addr());
+    let (c, mut lane) = raw_session(t.listen_addr(), raw_stream);
     // A whole write first, acknowledged: the lane works.
     let data = pattern(seed, 0, MID);
     lane.write_all(&write_header(id, 0, 4096, 1))
@@ -556,54 +351,21 @@ fn unregister_of_raw_source_memory_waits_for_tcp_sends_from_it() {
     // registering and after `unregister` returned.
     let src = unsafe { e.register_raw(buf.ptr, buf.len, Access::Local) }.expect("register");
     let remote = target.region_id(dst);
-    let stop = Arc::new(AtomicBool::new(false));
-    let done = Arc::new(AtomicU64::new(0));
-    let mut handles = Vec::new();
-    for th in 0..THREADS {
-        let (e, p, stop, done) = (e.clone(), p.clone(), stop.clone(), done.clone());
-        handles.push(std::thread::spawn(move || {
-            let mut out = Outcome::default();
-            let mut inflight = Vec::new();
-            for i in 0..MAX_BATCHES {
-                let len: u64 = if (i + th) % 2 == 0 { 1 << 20 } else { 4 << 10 };
-                let off = ((i as u64 * 262_144 + th as u64 * 8192) % (LEN as u64 - len)) & !4095;
-                let op = Op {
-                    local: src,
-                    local_offset: off,
-                    remote,
-                    remote_offset: off,
-                    len,
-                };
-                match e.write(&p, &[op], Some(b"src"), None) {
-                    Ok(b) => inflight.push(b),
-                    Err(Error::StaleRegion(_)) => out.stale += 1,
-                    Err(other) => panic!("submit: unexpected {other}"),
-                }
-                if inflight.len() >= INFLIGHT {
-                    settle(&mut inflight, &mut out, &done);
-                }
-                if stop.load(Ordering::Acquire) && out.stale > 0 {
-                    break;
-                }
-            }
-            settle(&mut inflight, &mut out, &done);
-            out
-        }));
-    }
-    let mut waited = 0;
-    while done.load(Ordering::Relaxed) < 16 && waited < 2000 {
-        std::thread::sleep(Duration::from_millis(5));
-        waited += 1;
-    }
+    let racers = {
+        let (e, p) = (e.clone(), p.clone());
+        Racers::spawn(THREADS, move |i, th| {
+            let len: u64 = if (i + th) % 2 == 0 { 1 << 20 } else { 4 << 10 };
+            let off = ((i as u64 * 262_144 + th as u64 * 8192) % (LEN as u64 - len)) & !4095;
+            let op = op_at(src, remote, off, len);
+            e.write(&p, &[op], Some(b"src"), None)
+        })
+    };
+    racers.wait_completed(16);
     let guard = pattern(12_345, 0, LEN);
     e.unregister(src).expect("unregister");
     buf.fill(&guard);
-    stop.store(true, Ordering::Release);
-    let outs: Vec<Outcome> = handles
-        .into_iter()
-        .map(|h| h.join().expect("writer thread"))
-        .collect();
-    assert!(outs.iter().all(|o| o.stale > 0));
+    let outs = racers.stop("writer");
+    assert!(outs.iter().all(|o| o.stale_all() > 0));
     let ok: u64 = outs.iter().map(|o| o.ok).sum();
     assert!(ok >= 16);
     // Only the pattern (or untouched zeros) at the peer, no guard byte.
@@ -622,7 +384,7 @@ fn unregister_of_raw_source_memory_waits_for_tcp_sends_from_it() {
     eprintln!(
         "source race: {ok} batches completed, {} refused at submit or on the way, {} \
          notifications suppressed at the peer",
-        outs.iter().map(|o| o.stale).sum::<u64>(),
+        outs.iter().map(|o| o.stale_all()).sum::<u64>(),
         target.metrics().notifications_suppressed
     );
 }

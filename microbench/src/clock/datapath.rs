@@ -19,7 +19,7 @@ use std::time::{Duration, Instant};
 
 use kvwire_transfer::{Access, Engine, EngineConfig, Op, Peer, RegionHandle, TransportKind};
 
-use super::ClockError;
+use super::{ClockConfig, ClockError};
 use crate::pattern::fill;
 
 /// Deadline of one layer's batch and of waiting for its notification.
@@ -73,6 +73,19 @@ pub struct DataPath {
 pub const RATE_WINDOW: usize = 64;
 
 impl DataPath {
+    /// The data path of a clock run of `cfg` (its transport, layers, pools and block size;
+    /// the pattern seed derives from the run's seed).
+    pub fn for_config(cfg: &ClockConfig) -> Result<DataPath, ClockError> {
+        DataPath::new(
+            cfg.transport,
+            cfg.layers,
+            cfg.p_pool_blocks,
+            cfg.d_pool_blocks,
+            cfg.layer_block_bytes(),
+            cfg.seed ^ 0xC10C,
+        )
+    }
+
     /// Starts both engines with `transport`, allocates the pools (`p_pool`, `d_pool` blocks
     /// of `layers × layer_block_bytes`) and connects P to D.
     pub fn new(

@@ -306,14 +306,7 @@ pub fn run_matrix(cfg: &ClockConfig, specs: &[RequestSpec]) -> Result<ClockRepor
     if !(cfg.transfer_scale.is_finite() && cfg.transfer_scale > 0.0) {
         return Err(ClockError::Config("transfer scale must be positive".into()));
     }
-    let mut dp = datapath::DataPath::new(
-        cfg.transport,
-        cfg.layers,
-        cfg.p_pool_blocks,
-        cfg.d_pool_blocks,
-        cfg.layer_block_bytes(),
-        cfg.seed ^ 0xC10C,
-    )?;
+    let mut dp = datapath::DataPath::for_config(cfg)?;
     let mut cells = Vec::new();
     let mut fixed = Duration::ZERO;
     let result = (|| {

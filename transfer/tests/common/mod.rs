@@ -1,6 +1,10 @@
 //! Shared test helpers: byte patterns and a target engine running in a child process
-//! (the test binary re-executed with `KVWIRE_TEST_CHILD=1`, driven over stdin/stdout).
+//! (the test binary re-executed with `KVWIRE_TEST_CHILD=1`, driven over stdin/stdout); races
+//! against `unregister` ([`race`]) and a hand-written tcp peer ([`raw_peer`]).
 #![allow(dead_code)]
+
+pub mod race;
+pub mod raw_peer;
 
 use std::io::{BufRead, BufReader, Write};
 use std::net::SocketAddr;
@@ -8,7 +12,7 @@ use std::process::{Child, ChildStdin, Command, Stdio};
 use std::sync::mpsc;
 use std::time::Duration;
 
-use kvwire_transfer::{Access, Engine, EngineConfig, RegionHandle};
+use kvwire_transfer::{Access, Engine, EngineConfig, Op, RegionHandle, RegionId};
 
 fn splitmix(mut z: u64) -> u64 {
     z = z.wrapping_add(0x9E37_79B9_7F4A_7C15);
@@ -41,6 +45,17 @@ pub fn pattern(seed: u64, start: u64, len: usize) -> Vec<u8> {
 pub fn mismatch(seed: u64, start: u64, data: &[u8]) -> Option<usize> {
     let want = pattern(seed, start, data.len());
     data.iter().zip(want.iter()).position(|(a, b)| a != b)
+}
+
+/// `len` bytes at `off` of `local` to or from the same offset of `remote`.
+pub fn op_at(local: RegionHandle, remote: RegionId, off: u64, len: u64) -> Op {
+    Op {
+        local,
+        local_offset: off,
+        remote,
+        remote_offset: off,
+        len,
+    }
 }
 
 /// Runs the child side when this process is a re-executed child; returns false otherwise.
