@@ -181,7 +181,7 @@ impl PyRemoteRegion {
 }
 
 /// Extracts a remote region id from a `RemoteRegion`, a `Region` or an `(index, generation)`.
-fn remote_id(ob: &Bound<'_, PyAny>) -> PyResult<RegionId> {
+pub(crate) fn remote_id(ob: &Bound<'_, PyAny>) -> PyResult<RegionId> {
     if let Ok(r) = ob.cast::<PyRemoteRegion>() {
         let r = r.get();
         return Ok(RegionId {
@@ -528,6 +528,59 @@ impl PyEngine {
             .write(&peer.get().peer, &ops, notify.as_deref(), d)
             .map_err(to_py)?;
         Ok(PyBatch { batch })
+    }
+
+    /// Opens a layer stream to `peer`: a request's KV cache sent layer by layer, each layer as
+    /// soon as `LayerStream.layer_ready(layer)` says it is complete.
+    ///
+    /// Layout (both sides, from offset 0): `num_layers` layers back to back, each holding K and
+    /// V of `num_blocks` blocks of `block_bytes` — `order="kv_major"`: `[2, num_blocks, ...]`
+    /// per layer (all K blocks, then all V blocks); `"block_major"`: `[num_blocks, 2, ...]`.
+    /// `src`: a `Region` (host memory, posted as is) or a `CudaSource` (device memory, staged
+    /// through its `CudaStager`); `dst_region`: the peer's region (`RemoteRegion`, or
+    /// `(index, generation)`). `src_blocks`/`dst_blocks`: block ids, one list for every layer
+    /// or one list per layer; block `src_blocks[i]` of each part goes to `dst_blocks[i]`.
+    /// `dst_blocks=None`: given later with `LayerStream.set_destination`. `notify`: a tag
+    /// delivered to the peer once, after every layer landed. `deadline`: seconds for the
+    /// whole stream (60 by default). `stager`: a `CudaStager` for `cuda_event`/`cuda_stream`
+    /// readiness of a host source (a `CudaSource` brings its own).
+    ///
+    /// Raises `OutOfBoundsError` when a region is smaller than the layout, and
+    /// `InvalidArgumentError` for a bad order, block id, or mismatched lists.
+    #[pyo3(signature = (peer, src, dst_region, *, num_layers, num_blocks, block_bytes, src_blocks, order="kv_major", dst_blocks=None, notify=None, deadline=None, stager=None))]
+    #[allow(clippy::too_many_arguments)]
+    fn layer_stream(
+        slf: &Bound<'_, Self>,
+        peer: &Bound<'_, PyPeer>,
+        src: &Bound<'_, PyAny>,
+        dst_region: &Bound<'_, PyAny>,
+        num_layers: usize,
+        num_blocks: u32,
+        block_bytes: u64,
+        src_blocks: &Bound<'_, PyAny>,
+        order: &str,
+        dst_blocks: Option<&Bound<'_, PyAny>>,
+        notify: Option<Vec<u8>>,
+        deadline: Option<f64>,
+        stager: Option<&Bound<'_, crate::cuda::PyCudaStager>>,
+    ) -> PyResult<crate::layer::PyLayerStream> {
+        crate::layer::open(
+            slf,
+            crate::layer::OpenArgs {
+                peer,
+                src,
+                dst_region,
+                num_layers,
+                num_blocks,
+                block_bytes,
+                order,
+                src_blocks,
+                dst_blocks,
+                notify,
+                deadline,
+                stager,
+            },
+        )
     }
 
     /// Submits a batch of reads (remote → local; the local region is the destination).

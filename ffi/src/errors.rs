@@ -1,5 +1,7 @@
 //! Python exceptions: one class per kind of engine error, all under `kvwire.KvwireError`.
 
+use kvwire_transfer::cuda::CudaError as DriverError;
+use kvwire_transfer::layer::LayerError;
 use kvwire_transfer::Error;
 use pyo3::create_exception;
 use pyo3::exceptions::PyException;
@@ -81,6 +83,25 @@ create_exception!(
     "The P/D connector core refused an event."
 );
 
+create_exception!(
+    kvwire,
+    AbortedError,
+    KvwireError,
+    "The layer stream was aborted (LayerStream.abort, or its handle was dropped)."
+);
+create_exception!(
+    kvwire,
+    LayerStreamError,
+    KvwireError,
+    "A layer stream failed: a layer's readiness (e.g. a CUDA event) or its staging copy failed."
+);
+create_exception!(
+    kvwire,
+    CudaError,
+    KvwireError,
+    "A CUDA driver call failed (a missing driver or device raises UnsupportedError instead)."
+);
+
 /// Converts an engine error into the matching Python exception.
 pub fn to_py(e: Error) -> PyErr {
     let msg = e.to_string();
@@ -99,6 +120,40 @@ pub fn to_py(e: Error) -> PyErr {
         Error::InvalidArgument(_) => InvalidArgumentError::new_err(msg),
         Error::Unsupported(_) => UnsupportedError::new_err(msg),
         _ => KvwireError::new_err(msg),
+    }
+}
+
+/// Converts a layer-stream error into the matching Python exception: engine errors as
+/// [`to_py`], bad arguments and misuse (a layer made ready twice, a second destination) as
+/// `InvalidArgumentError`, an abort as `AbortedError`, the stream deadline as `TimeoutError`,
+/// readiness and staging failures as `LayerStreamError`.
+pub fn layer_to_py(e: LayerError) -> PyErr {
+    let msg = e.to_string();
+    match e {
+        LayerError::Engine(e) => to_py(e),
+        LayerError::InvalidArgument(_) | LayerError::State(_) => InvalidArgumentError::new_err(msg),
+        LayerError::Aborted(_) => AbortedError::new_err(msg),
+        LayerError::Timeout => TimeoutError::new_err(msg),
+        LayerError::Readiness { .. } | LayerError::Staging { .. } => LayerStreamError::new_err(msg),
+        _ => KvwireError::new_err(msg),
+    }
+}
+
+/// Converts a CUDA error: no driver or no (such) device → `UnsupportedError`, a failed driver
+/// call → `CudaError`, a bad argument → `InvalidArgumentError`, an engine error as [`to_py`].
+pub fn cuda_to_py(e: DriverError) -> PyErr {
+    let msg = e.to_string();
+    match e {
+        DriverError::NoDriver | DriverError::NoDevice(_) => UnsupportedError::new_err(format!(
+            "{msg}: CUDA sources need the NVIDIA driver (libcuda) and a device"
+        )),
+        // A driver without a usable device (cuInit: CUDA_ERROR_NO_DEVICE) is "no CUDA here".
+        DriverError::Driver(ref m) if m.contains("NO_DEVICE") => {
+            UnsupportedError::new_err(format!("{msg}: no CUDA device on this machine"))
+        }
+        DriverError::InvalidArgument(_) => InvalidArgumentError::new_err(msg),
+        DriverError::Engine(e) => to_py(e),
+        _ => CudaError::new_err(msg),
     }
 }
 
@@ -131,5 +186,8 @@ pub fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
     )?;
     m.add("UnsupportedError", py.get_type::<UnsupportedError>())?;
     m.add("ConnectorError", py.get_type::<ConnectorError>())?;
+    m.add("AbortedError", py.get_type::<AbortedError>())?;
+    m.add("LayerStreamError", py.get_type::<LayerStreamError>())?;
+    m.add("CudaError", py.get_type::<CudaError>())?;
     Ok(())
 }

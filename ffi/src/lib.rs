@@ -2,6 +2,8 @@
 //!
 //! * [`engine`]: `kvwire.Engine` over the transfer engine.
 //! * [`mooncake`]: `kvwire.mooncake.TransferEngine`, a drop-in for `mooncake.engine.TransferEngine`.
+//! * [`layer`]: `kvwire.LayerStream` (layer-by-layer sends).
+//! * [`cuda`]: `kvwire.CudaStager` and `kvwire.CudaSource` (CUDA device memory as a source).
 //! * [`core`]: the P/D connector core (decode and prefill state machines) for the vLLM connector.
 //!
 //! Errors become exceptions of the `kvwire.KvwireError` hierarchy ([`errors`]); blocking calls
@@ -9,8 +11,10 @@
 
 pub mod core;
 pub mod core_metrics;
+pub mod cuda;
 pub mod engine;
 pub mod errors;
+pub mod layer;
 pub mod mooncake;
 pub mod rawmem;
 
@@ -28,6 +32,7 @@ fn _kvwire(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<engine::PyBatchStats>()?;
     m.add_class::<engine::PyNotification>()?;
     m.add_class::<mooncake::TransferEngine>()?;
+    layer::register(m)?;
     core::register(m)?;
     m.add("__version__", env!("CARGO_PKG_VERSION"))?;
     Ok(())

@@ -2,6 +2,9 @@
 
 * :class:`Engine` — register memory, connect to peers, batch writes/reads with one completion
   per batch (``Batch.wait``/``Batch.poll``), notifications delivered after the bytes landed.
+* :meth:`Engine.layer_stream` — a request's KV cache sent layer by layer (:class:`LayerStream`),
+  each layer as soon as it is ready (now, or after a CUDA event/stream), from host memory or
+  from CUDA device memory staged through a :class:`CudaStager` (:func:`register_tensor`).
 * :mod:`kvwire.mooncake` — ``TransferEngine``, a drop-in for ``mooncake.engine.TransferEngine``.
 * :mod:`kvwire.vllm` — ``KvwireConnector``, a vLLM v1 KV connector (load it with
   ``kv_connector_module_path="kvwire.vllm"``).
@@ -10,15 +13,22 @@ Errors are raised as subclasses of :class:`KvwireError`. Blocking calls release 
 """
 
 from kvwire._kvwire import (  # noqa: F401
+    AbortedError,
     AccessDeniedError,
     AuthError,
     Batch,
     BatchStats,
     ConnectorError,
+    CudaError,
+    CudaSource,
+    CudaStager,
     Engine,
     InvalidArgumentError,
     IoError,
     KvwireError,
+    LayerStats,
+    LayerStream,
+    LayerStreamError,
     Notification,
     OutOfBoundsError,
     Peer,
@@ -28,6 +38,7 @@ from kvwire._kvwire import (  # noqa: F401
     RemoteRegion,
     ShutdownError,
     StaleRegionError,
+    StreamStats,
     TimeoutError,
     UnknownRegionError,
     UnsupportedError,
@@ -37,30 +48,56 @@ from kvwire._kvwire import (  # noqa: F401
 
 
 def register_tensor(engine, tensor, access="rw"):
-    """Registers a contiguous CPU tensor's memory (``data_ptr()``, ``nbytes``) with ``engine``.
+    """Registers a contiguous tensor's memory (``data_ptr()``, ``nbytes``).
 
-    The tensor must stay alive until the returned region is unregistered.
+    * CPU tensor: registered with ``engine`` (an :class:`Engine`, or a :class:`CudaStager`
+      whose engine is used); returns a :class:`Region` with ``access`` for peers. The tensor
+      must stay alive until the region is unregistered.
+    * CUDA tensor: registered with ``engine`` if it is a :class:`CudaStager` (on the tensor's
+      device), else with a new ``CudaStager(engine, device=<the tensor's device>)``; returns a
+      :class:`CudaSource` for :meth:`Engine.layer_stream`, which keeps the tensor alive.
+      Raises :class:`UnsupportedError` where there is no CUDA driver.
     """
-    if getattr(tensor, "device", None) is not None and str(tensor.device) != "cpu":
-        raise UnsupportedError(
-            f"only CPU tensors can be registered, got device {tensor.device}: kvwire's transports move "
-            "host memory (stage a CUDA tensor through pinned host memory, as kvwire.vllm.staging does)")
     if hasattr(tensor, "is_contiguous") and not tensor.is_contiguous():
         raise InvalidArgumentError("tensor must be contiguous")
     nbytes = tensor.numel() * tensor.element_size()
+    device = getattr(tensor, "device", None)
+    kind = getattr(device, "type", None if device is None else str(device))
+    if kind == "cuda":
+        index = tensor.get_device()
+        if isinstance(engine, CudaStager):
+            stager = engine
+            if stager.device != index:
+                raise InvalidArgumentError(
+                    f"tensor is on cuda:{index} but the stager on cuda:{stager.device}")
+        else:
+            stager = CudaStager(engine, device=index)
+        return stager.register(tensor.data_ptr(), nbytes, keepalive=tensor)
+    if kind is not None and kind != "cpu":
+        raise UnsupportedError(
+            f"only CPU and CUDA tensors can be registered, got device {device}")
+    if isinstance(engine, CudaStager):
+        engine = engine.engine
     return engine.register(tensor.data_ptr(), nbytes, access)
 
 
 __all__ = [
+    "AbortedError",
     "AccessDeniedError",
     "AuthError",
     "Batch",
     "BatchStats",
     "ConnectorError",
+    "CudaError",
+    "CudaSource",
+    "CudaStager",
     "Engine",
     "InvalidArgumentError",
     "IoError",
     "KvwireError",
+    "LayerStats",
+    "LayerStream",
+    "LayerStreamError",
     "Notification",
     "OutOfBoundsError",
     "Peer",
@@ -70,6 +107,7 @@ __all__ = [
     "RemoteRegion",
     "ShutdownError",
     "StaleRegionError",
+    "StreamStats",
     "TimeoutError",
     "UnknownRegionError",
     "UnsupportedError",
