@@ -50,6 +50,14 @@
 //!   not answer (transport retries exhausted) is retried on another lane like a flushed one;
 //!   when its retries run out the batch fails with `PeerDead`. When every lane is broken the
 //!   peer is declared dead (the engine fails its in-flight batches; reconnect to recover).
+//! * **Provider-failed queue pairs**: a flush from a QP the engine did not move to the error
+//!   state, with no error completion before it, means the provider failed a WR without saying
+//!   so. SoftRoCE (Linux 6.1) does this when a READ's response stream is interrupted by packet
+//!   drops (a NAK mid-sequence): it reports that READ *successful*, though its data never
+//!   landed, and errors the QP. So the WR a lane's QP reported successful last is kept while
+//!   its batch is in flight, and posted again on such a flush (`repost_suspect`); the batch
+//!   cannot complete before it completes again. If the failed READ was the last WR on its QP
+//!   and its batch completed, nothing shows it until the next post there (then logged).
 
 use std::collections::{HashMap, HashSet, VecDeque};
 use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, AtomicUsize, Ordering};
@@ -98,6 +106,9 @@ const BLOB_HEAD: usize = 16 + 1;
 const BLOB_DEV_HEAD: usize = 5;
 /// Remote key entries kept per peer (beyond: the table is cleared and refilled on demand).
 const MAX_KEYS: usize = 1 << 16;
+/// Tracing target of the per-work-request events (posted, completion, re-posted) and of lane
+/// breaks and re-establishments, for diagnosing the data path (`trace`/`debug` level).
+pub(crate) const WR_TRACE: &str = "kvwire::rdma::wr";
 /// Environment variable: signal one WR in this many of a chain (the last one of every chain is
 /// always signalled); 1 = every WR (the default). Experimental and not safe: with 16, in-VM runs
 /// of the multi-device suite saw READ batches complete with one 64 KiB slice not landed (2 of
@@ -106,9 +117,13 @@ const MAX_KEYS: usize = 1 << 16;
 /// accounting never infers success from an error path and rejects completions from a QP a WR
 /// has left (`covered_outcome`, `completion_is_current`, unit-tested), which did not remove the
 /// failure; a traced run showed every covered WR posted on the signalled WR's QP before it.
-/// Suspected: the provider (rxe) reporting a later WR's completion before an earlier unsignalled
-/// READ's data is placed, which only selective signalling exposes. Off until proven on hardware
-/// with a verbs-level probe (unsignalled READ chains, data checked at the signalled completion).
+/// Since found with every WR signalled too (`tests/rdma_read_stress_vm.rs`): rxe (Linux 6.1)
+/// reports a READ *successful* whose data never landed and moves its QP to the error state
+/// (the rest of the QP flushes, with no error completion), when packets are dropped on the
+/// veth pair under load. The engine posts such a WR again while its batch is in flight
+/// (`repost_suspect`); a batch that already completed cannot be repaired (logged). Off until
+/// proven on hardware with a verbs-level probe (unsignalled READ chains, data checked at the
+/// signalled completion).
 pub(crate) const SIGNAL_ENV: &str = "KVWIRE_RDMA_SIGNAL_EVERY";
 const SIGNAL_EVERY: usize = 1;
 /// Environment variable: how long (µs) a completion thread keeps polling its CQ after a
@@ -787,6 +802,7 @@ impl Transport for RdmaTransport {
                         broken: false,
                         pending: None,
                         reconnects: 0,
+                        last_ok: None,
                     }),
                     posted: AtomicU64::new(0),
                     reestablished: AtomicU64::new(0),
@@ -898,6 +914,11 @@ struct LaneState {
     /// Our reconnection request in flight: the new QP, its PSN, our tie-break nonce.
     pending: Option<(Arc<DevQp>, u32, u64)>,
     reconnects: u32,
+    /// The WR whose successful completion `qp` reported last: that QP, the WR's id, and its
+    /// entry while its batch still waits for other WRs (`None` once the batch completed). If
+    /// the provider then moves the QP to the error state without an error completion, that
+    /// success is not trusted and the WR is posted again (see `complete_one`).
+    last_ok: Option<(Arc<DevQp>, u64, Option<WrEntry>)>,
 }
 
 struct Lane {
@@ -1103,6 +1124,12 @@ impl PeerShared {
             st.outstanding += wrs.len();
             l.inflight.fetch_add(wrs.len(), Ordering::AcqRel);
             l.posted.fetch_add(wrs.len() as u64, Ordering::Relaxed);
+            if tracing::enabled!(target: WR_TRACE, tracing::Level::TRACE) {
+                let qpn = st.qp.qpn();
+                for (id, ..) in &wrs {
+                    tracing::trace!(target: WR_TRACE, wr = id & 0xffff_ffff, lane, qpn, "posted");
+                }
+            }
         }
         Ok(())
     }
@@ -1110,7 +1137,7 @@ impl PeerShared {
     /// Marks a lane broken: its QP goes to the error state, so every WR posted on it flushes.
     fn break_lane(&self, lane: usize, st: &mut LaneState) {
         if !st.broken {
-            tracing::debug!(lane, "rdma lane broken");
+            tracing::debug!(target: WR_TRACE, lane, qpn = st.qp.qpn(), "rdma lane broken");
             st.broken = true;
             let _ = st.qp.set_error();
         }
@@ -1175,6 +1202,7 @@ impl PeerShared {
                 e.retries += 1;
                 e.qp = None;
                 let l = eligible[(id as usize) % eligible.len()];
+                tracing::trace!(target: WR_TRACE, wr = id & 0xffff_ffff, from = e.lane, to = l, why, "re-posted");
                 e.lane = l;
                 by_lane.entry(l).or_default().push(id);
             }
@@ -1206,6 +1234,15 @@ impl PeerShared {
             let Some(e) = m.get_mut(&wr_id) else {
                 return;
             };
+            tracing::trace!(
+                target: WR_TRACE,
+                wr = wr_id & 0xffff_ffff,
+                lane = e.lane,
+                qpn,
+                status = ?result,
+                posted_on = ?e.qp.as_ref().map(|q| q.qpn()),
+                "completion"
+            );
             if !completion_is_current(e.qp.as_ref().map(|q| q.qpn()), qpn) {
                 self.stale.fetch_add(1, Ordering::Relaxed);
                 tracing::warn!(
@@ -1246,9 +1283,31 @@ impl PeerShared {
                     .inflight
                     .fetch_update(Ordering::AcqRel, Ordering::Acquire, |n| n.checked_sub(1));
         }
-        {
+        let (current, suspect) = {
             let mut st = self.lanes[lane].st.lock();
             let current = e.qp.as_ref().is_some_and(|q| Arc::ptr_eq(q, &st.qp));
+            let mut suspect = None;
+            if current && !st.broken && result == Err(WcStatus::WrFlush) {
+                // A flush from the lane's current QP, which we did not move to the error state,
+                // and no error completion before it: the provider errored the QP without
+                // reporting the failing WR. SoftRoCE (rxe, Linux 6.1) does this on a NAK in the
+                // middle of a READ response sequence and reports that READ *successful*
+                // although its data never landed (`tests/rdma_read_stress_vm.rs`).
+                tracing::warn!(
+                    target: WR_TRACE,
+                    lane,
+                    qpn = st.qp.qpn(),
+                    "rdma: the provider moved a queue pair to the error state without an error \
+                     completion; the WR last reported successful on it is not trusted"
+                );
+                // RC completes in order and every WR here is signalled or covered: the WR whose
+                // success this QP reported last is the one the provider failed.
+                suspect = st
+                    .last_ok
+                    .take()
+                    .filter(|(q, ..)| Arc::ptr_eq(q, &st.qp))
+                    .map(|(_, id, x)| (id, x));
+            }
             if current {
                 st.outstanding = st.outstanding.saturating_sub(1);
                 if result.is_err() {
@@ -1259,12 +1318,25 @@ impl PeerShared {
                 tracing::warn!(lane, error = %err, "rdma post failed; lane broken");
                 self.break_lane(lane, &mut st);
             }
+            (current, suspect)
+        };
+        let posted_on = e.qp.take();
+        if let Some((id, x)) = suspect {
+            self.repost_suspect(id, x);
         }
-        e.qp = None;
         match result {
             Ok(()) => {
-                if e.batch.left.fetch_sub(1, Ordering::AcqRel) == 1 {
+                let finished = e.batch.left.fetch_sub(1, Ordering::AcqRel) == 1;
+                if finished {
                     self.finish(&e.batch);
+                }
+                if let (true, Some(q)) = (current, posted_on) {
+                    // Remembered until the QP's next completion; the entry only while its batch
+                    // still waits (it can be posted again then).
+                    let mut st = self.lanes[lane].st.lock();
+                    if Arc::ptr_eq(&q, &st.qp) && !st.broken {
+                        st.last_ok = Some((q, wr_id, (!finished).then_some(e)));
+                    }
                 }
             }
             Err(WcStatus::WrFlush) => {
@@ -1323,6 +1395,37 @@ impl PeerShared {
                 (self.on_dead)("rdma: every queue pair failed".into());
             }
         }
+    }
+
+    /// Posts again a WR that its QP reported successful right before the provider moved that
+    /// QP to the error state without an error completion (SoftRoCE reports a READ it failed
+    /// this way; its data never landed). Only while its batch still waits for other WRs: the
+    /// batch's count goes up again first, so it cannot complete before this WR completes again.
+    /// A batch that already completed cannot be repaired (logged).
+    fn repost_suspect(&self, id: u64, e: Option<WrEntry>) {
+        let e = e.filter(|e| {
+            e.batch
+                .left
+                .fetch_update(Ordering::AcqRel, Ordering::Acquire, |n| {
+                    (n > 0).then_some(n + 1)
+                })
+                .is_ok()
+        });
+        let Some(e) = e else {
+            tracing::warn!(
+                target: WR_TRACE,
+                wr = id & 0xffff_ffff,
+                "rdma: a WR reported successful by a queue pair that then failed belongs to a \
+                 batch that already completed; its data may be missing"
+            );
+            return;
+        };
+        tracing::debug!(target: WR_TRACE, wr = id & 0xffff_ffff, "posting a suspect WR again");
+        self.wrs.lock().insert(id, e);
+        self.reroute(
+            vec![id],
+            "provider failed the queue pair after reporting success",
+        );
     }
 
     fn finish(&self, b: &BatchCtx) {
@@ -1471,6 +1574,7 @@ impl PeerShared {
                         return Ok(());
                     }
                 };
+                st.last_ok = None;
                 let old = std::mem::replace(&mut st.qp, qp);
                 let _ = old.set_error(); // whatever was posted on it flushes and is re-posted
                 st.outstanding = 0;
@@ -1483,7 +1587,7 @@ impl PeerShared {
                 self.lanes[lane]
                     .reestablished
                     .fetch_add(1, Ordering::Relaxed);
-                tracing::debug!(lane, "rdma lane re-established (peer's request)");
+                tracing::debug!(target: WR_TRACE, lane, "rdma lane re-established (peer's request)");
                 self.send_msg(MSG_RECONNECT_ACK, lane, nonce, &my_ep)
             }
             MSG_RECONNECT_ACK => {
@@ -1500,6 +1604,7 @@ impl PeerShared {
                     return Ok(());
                 }
                 st.qp = qp;
+                st.last_ok = None;
                 st.outstanding = 0;
                 st.broken = false;
                 if let Err(e) = self.pump(lane, &mut st) {
@@ -1509,7 +1614,7 @@ impl PeerShared {
                 self.lanes[lane]
                     .reestablished
                     .fetch_add(1, Ordering::Relaxed);
-                tracing::debug!(lane, "rdma lane re-established");
+                tracing::debug!(target: WR_TRACE, lane, "rdma lane re-established");
                 Ok(())
             }
             op => Err(Error::Protocol(format!("rdma control message: op {op}"))),
@@ -1904,6 +2009,7 @@ impl PeerTransport for RdmaPeer {
             st.broken = true;
             st.backlog.clear();
             st.pending = None;
+            st.last_ok = None;
             let _ = st.qp.set_error();
         }
         // The engine fails in-flight batches; drop their entries (the QPs flush what was posted).
