@@ -18,7 +18,9 @@
 //! `KVWIRE_STRESS_DEVICES` (1: target on rxe0, initiator on rxe1; 2 (default): target on
 //! [rxe0, rxe1], initiator on [rxe1, rxe0], as in the `multi_device` part of the engine suite),
 //! `KVWIRE_STRESS_TRACE=0` (do not record the engine's per-work-request trace events),
-//! `KVWIRE_STRESS_BACKLOG=<n>` (set the guest's `net.core.netdev_max_backlog` first).
+//! `KVWIRE_STRESS_BACKLOG=<n>` (set the guest's `net.core.netdev_max_backlog` first; the guest
+//! boots with 100000, which removes the packet drops: `KVWIRE_STRESS_BACKLOG=1000`, the kernel's
+//! default, brings back the drops that make rxe lose READs).
 //!
 //! Not part of the CI VM stage (it runs for minutes); run it with
 //! `KVWIRE_VM_TESTS=1 cargo test -p kvwire-transfer --test rdma_read_stress_vm -- --nocapture`,
@@ -279,7 +281,8 @@ fn in_guest() {
          {tdevs:?}, initiator {idevs:?}"
     );
     // The guest's veth pair drops packets when a CPU's input backlog is full (rxe counts
-    // them as send_err): `KVWIRE_STRESS_BACKLOG=<n>` raises net.core.netdev_max_backlog.
+    // them as send_err): `KVWIRE_STRESS_BACKLOG=<n>` sets net.core.netdev_max_backlog (the
+    // guest boots with 100000; 1000, the kernel default, reproduces the drops).
     if let Ok(b) = std::env::var("KVWIRE_STRESS_BACKLOG") {
         match std::fs::write("/proc/sys/net/core/netdev_max_backlog", &b) {
             Ok(()) => println!("net.core.netdev_max_backlog={b}"),
