@@ -101,5 +101,5 @@ pub use dside::{DAction, DConfig, DError, DEvent, DSide, DStats};
 pub use metrics::{DGauges, DMetrics, Histogram, PMetrics};
 pub use msg::{DecodeError, EncodeError, Message};
 pub use pside::{PAction, PConfig, PError, PEvent, PSide, PStats};
-pub use timeline::{decompose, Decomposition, Outcome, Side, TimelineRecord};
+pub use timeline::{decompose, Decomposition, Outcome, Side, TimelineRecord, SEGMENT_NAMES};
 pub use types::{BlockId, FailReason, Nanos, PeerId, Policy, RequestId, SendMode, MS, SEC};

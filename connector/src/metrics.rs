@@ -69,15 +69,10 @@ impl Histogram {
 
 /// Names of the `decode_sent → first_token` parts ([`crate::Decomposition`]) in the order of
 /// [`DMetrics::decomposition`]; the last is the whole interval.
-pub const DECOMPOSITION_PARTS: [&str; 7] = [
-    "wait_for_p",
-    "reservation_wait",
-    "exposed_transfer",
-    "report_delay",
-    "promotion_delay",
-    "first_step",
-    "total",
-];
+pub const DECOMPOSITION_PARTS: [&str; 7] = {
+    let s = crate::timeline::SEGMENT_NAMES;
+    [s[0], s[1], s[2], s[3], s[4], s[5], "total"]
+};
 
 /// Failure reasons in the order of the `failed` arrays (index = wire code − 1).
 pub const FAIL_REASONS: [FailReason; 7] = [
@@ -179,15 +174,7 @@ impl DMetrics {
     pub(crate) fn observe_first_token(&mut self, rec: &TimelineRecord) {
         self.first_tokens += 1;
         if let (Some(d), Some(s), Some(e)) = (rec.decompose(), rec.decode_sent, rec.first_token) {
-            let parts = [
-                d.wait_for_p,
-                d.reservation_wait,
-                d.exposed_transfer,
-                d.report_delay,
-                d.promotion_delay,
-                d.first_step,
-                e - s,
-            ];
+            let parts = d.segments().into_iter().chain([e - s]);
             for (h, v) in self.decomposition.iter_mut().zip(parts) {
                 h.observe(v);
             }

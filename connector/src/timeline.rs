@@ -177,7 +177,29 @@ pub struct Decomposition {
     pub first_step: Nanos,
 }
 
+/// Names of the [`Decomposition`] segments, in [`Decomposition::segments`] order.
+pub const SEGMENT_NAMES: [&str; 6] = [
+    "wait_for_p",
+    "reservation_wait",
+    "exposed_transfer",
+    "report_delay",
+    "promotion_delay",
+    "first_step",
+];
+
 impl Decomposition {
+    /// The segments in [`SEGMENT_NAMES`] order.
+    pub fn segments(&self) -> [Nanos; 6] {
+        [
+            self.wait_for_p,
+            self.reservation_wait,
+            self.exposed_transfer,
+            self.report_delay,
+            self.promotion_delay,
+            self.first_step,
+        ]
+    }
+
     /// Sum of the segments; equals `first_token − decode_sent`.
     pub fn total(&self) -> Nanos {
         self.wait_for_p

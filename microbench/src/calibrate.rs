@@ -199,14 +199,7 @@ pub struct Sample {
 /// Names of the segments of `decode_sent → first_token`, in order (the connector's
 /// `Decomposition`): wait for P's prefill, late block ids, transfer not hidden behind prefill,
 /// last byte → reported finished, reported → promoted, promoted → first token.
-pub const SEGMENTS: [&str; 6] = [
-    "wait_for_p",
-    "reservation_wait",
-    "exposed_transfer",
-    "report_delay",
-    "promotion_delay",
-    "first_step",
-];
+pub use kvwire_connector::SEGMENT_NAMES as SEGMENTS;
 
 /// Cuts `[start, end]` at the milestones the way the connector's timeline does: each milestone
 /// clamped into `[previous, end]`, a missing one equal to the previous, so the segments sum to

@@ -9,8 +9,8 @@ use std::time::Duration;
 
 use kvwire_bench::clock::cli::{ClockLinkSpeed, ClockScenario, ClockTransport, ClockWorkload};
 use kvwire_bench::clock::datapath::DataPath;
+use kvwire_bench::clock::report::parse_timeline_line;
 use kvwire_bench::clock::report::PoolSide;
-use kvwire_bench::clock::report::{parse_timeline_line, segments};
 use kvwire_bench::clock::sim::run_cell;
 use kvwire_bench::clock::workload::{parse_trace, TraceError};
 use kvwire_bench::clock::{
@@ -131,7 +131,7 @@ fn decomposition_sums_to_the_clock_of_every_request() {
         for r in &c.records {
             let d = r.decompose().expect("finished record decomposes");
             let clock = r.first_token.unwrap() - r.decode_sent.unwrap();
-            assert_eq!(segments(&d).iter().sum::<u64>(), clock, "{r:?}");
+            assert_eq!(d.segments().iter().sum::<u64>(), clock, "{r:?}");
             assert_eq!(d.total(), clock);
             assert!(clock > 0);
             // The milestones are in order (no clamping was needed).

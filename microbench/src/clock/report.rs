@@ -1,6 +1,6 @@
 //! Aggregates of a clock run: per-cell summary, table, JSON and timeline lines.
 
-use kvwire_connector::{Decomposition, Nanos, Outcome, TimelineRecord};
+use kvwire_connector::{Nanos, Outcome, TimelineRecord};
 use serde::Serialize;
 use serde_json::{json, Value};
 
@@ -13,27 +13,8 @@ pub const SEED_FIXED_NS: Nanos = 300_000_000;
 /// Bandwidth term of the seed study's cost model, bytes/s.
 pub const SEED_BYTES_PER_S: f64 = 2.7e9;
 
-/// Names of the decomposition segments, in order.
-pub const SEGMENTS: [&str; 6] = [
-    "wait_for_p",
-    "reservation_wait",
-    "exposed_transfer",
-    "report_delay",
-    "promotion_delay",
-    "first_step",
-];
-
-/// The segments of a decomposition in [`SEGMENTS`] order.
-pub fn segments(d: &Decomposition) -> [Nanos; 6] {
-    [
-        d.wait_for_p,
-        d.reservation_wait,
-        d.exposed_transfer,
-        d.report_delay,
-        d.promotion_delay,
-        d.first_step,
-    ]
-}
+/// Names of the decomposition segments, in order (the connector's).
+pub use kvwire_connector::SEGMENT_NAMES as SEGMENTS;
 
 /// Quantiles in milliseconds.
 #[derive(Clone, Copy, Debug, Default, Serialize)]
@@ -235,7 +216,7 @@ fn summarize(c: &CellRun, requests: usize) -> CellSummary {
             finished += 1;
             seed.push(SEED_FIXED_NS + (r.bytes as f64 / SEED_BYTES_PER_S * 1e9) as Nanos);
             clock.push(d.total());
-            for (v, s) in segs.iter_mut().zip(segments(&d)) {
+            for (v, s) in segs.iter_mut().zip(d.segments()) {
                 v.push(s);
             }
         }
