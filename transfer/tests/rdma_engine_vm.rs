@@ -13,6 +13,7 @@
 //! `KVWIRE_REQUIRE_VM=1`).
 
 mod vm_common;
+use vm_common::pattern;
 
 use std::process::Command;
 
@@ -21,19 +22,6 @@ use std::time::{Duration, Instant};
 use kvwire_transfer::{Access, Engine, EngineConfig, Error, Op, Peer, RegionHandle, TransportKind};
 
 const NAME: &str = "engine_rdma_in_softroce_vm";
-
-fn pattern(seed: u64, len: usize) -> Vec<u8> {
-    let mut x = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
-    let mut v = Vec::with_capacity(len + 8);
-    while v.len() < len {
-        x ^= x << 13;
-        x ^= x >> 7;
-        x ^= x << 17;
-        v.extend_from_slice(&x.to_le_bytes());
-    }
-    v.truncate(len);
-    v
-}
 
 fn check_eq(what: &str, got: &[u8], want: &[u8]) {
     assert_eq!(got.len(), want.len(), "{what}: length");

@@ -28,6 +28,7 @@
 //! --exact --nocapture`. On the host without `KVWIRE_VM_TESTS=1` it prints `SKIPPED`.
 
 mod vm_common;
+use vm_common::pattern;
 
 use std::collections::BTreeMap;
 use std::io::Write;
@@ -40,19 +41,6 @@ use kvwire_transfer::{Access, Engine, EngineConfig, Op, TransportKind};
 const NAME: &str = "read_stress_in_softroce_vm";
 const REGION: usize = 16 << 20;
 const SLICE: usize = 64 << 10;
-
-fn pattern(seed: u64, len: usize) -> Vec<u8> {
-    let mut x = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
-    let mut v = Vec::with_capacity(len + 8);
-    while v.len() < len {
-        x ^= x << 13;
-        x ^= x >> 7;
-        x ^= x << 17;
-        v.extend_from_slice(&x.to_le_bytes());
-    }
-    v.truncate(len);
-    v
-}
 
 fn knob(name: &str, default: usize) -> usize {
     std::env::var(name)
