@@ -13,6 +13,8 @@
 #   netns   tests/netns/run.sh           (TCP across two network namespaces, clean and 1% loss)
 #   vm      tests/vm/ci.sh               (hook: RDMA suite over SoftRoCE in a VM; the script
 #                                         builds what it needs and calls tests/vm/run.sh)
+#   install tests/install_check.sh       (the fresh path of every cheap install step, run for
+#                                         real in scratch directories even when caches are warm)
 #   python  tests/python/run.sh          (hook: Python package and vLLM connector tests)
 #
 # A hook stage whose script does not exist yet is reported as "absent" (not as passed).
@@ -29,7 +31,7 @@ export CARGO_TERM_COLOR=${CARGO_TERM_COLOR:-never}
 export KVWIRE_JOBS=${KVWIRE_JOBS:-2}
 J=-j$KVWIRE_JOBS
 LOGDIR=$(mktemp -d /tmp/kvwire-tests.XXXXXX)
-ALL_STAGES="deps fmt clippy build test netns vm python"
+ALL_STAGES="deps fmt clippy build test netns vm install python"
 STAGES=${KVWIRE_STAGES:-$ALL_STAGES}
 
 NAMES=()
@@ -116,6 +118,7 @@ stage test   cargo test --workspace $J
 stage netns  env KVWIRE_BENCH_BIN="$CARGO_TARGET_DIR/debug/kvwire-bench" bash tests/netns/run.sh
 # ---- hooks for suites that plug in later ------------------------------------------
 hook vm      tests/vm/ci.sh         # RDMA verbs over SoftRoCE in a qemu VM
+stage install bash tests/install_check.sh
 hook python  tests/python/run.sh    # Python package, vLLM connector (CPU)
 # -----------------------------------------------------------------------------------
 summary

@@ -16,11 +16,13 @@
 #      `kvwire_tcp` and `kvwire_shm` (kvwire-bench transfer --json), in the same pass;
 #   4. prints the side-by-side table (tests/peers/compare.py) and saves it next to the
 #      raw results.
-set -euo pipefail
 cd "$(dirname "$0")/../.."
 ROOT=$(pwd)
 HERE=$ROOT/tests/peers
-PY=$(command -v python3)
+. "$ROOT/tests/lib/install.sh"
+install_init peers "bash tests/peers/compare.sh   (its scratch copy and venv: ${KVWIRE_PEERS_DIR:-/tmp/kvwire-peers})"
+PY=$(command -v python3 || true)
+[ -n "$PY" ] || die "python3 not found"
 
 if [ "${1:-}" = "--parse" ]; then
   exec "$PY" "$HERE/compare.py" "${2:?usage: compare.sh --parse RUN_DIR}"
@@ -37,10 +39,10 @@ cp -r "$SRC"/. "$WORK"/
 chmod -R u+w "$WORK"
 
 echo "== peers setup (apt, venv with Mooncake TE + NIXL wheels, gcc builds)"
-(cd "$WORK" && bash setup.sh)
+(cd "$WORK" && bash setup.sh) || die "the peers' setup.sh (apt iperf3 libibverbs1 librdmacm1 libnuma1 gcc; a venv with the Mooncake TE and NIXL wheels; gcc builds) in $WORK"
 
 echo "== building kvwire-bench (release)"
-cargo build --release -j"${KVWIRE_JOBS:-2}" -p kvwire-bench --bin kvwire-bench
+cargo build --release -j"${KVWIRE_JOBS:-2}" -p kvwire-bench --bin kvwire-bench || die "cargo build --release -p kvwire-bench"
 BIN=$CARGO_TARGET_DIR/release/kvwire-bench
 
 # run_all.sh plus the two kvwire entries, in the same pass (same load, same minutes)
@@ -50,8 +52,9 @@ sed -e "/^stamp done/i stamp kvwire_tcp;      timeout 600 $BIN transfer --transp
 grep -q kvwire_shm "$WORK/run_all_kvwire.sh" || { echo "could not add kvwire to run_all.sh" >&2; exit 1; }
 
 echo "== run_all (peers + kvwire), $(date +%T)"
-(cd "$WORK" && bash run_all_kvwire.sh)
-RUN=$(ls -td "$WORK"/results/run_* | head -n 1)
+(cd "$WORK" && bash run_all_kvwire.sh) || die "run_all_kvwire.sh in $WORK"
+RUN=$(ls -td "$WORK"/results/run_* 2>/dev/null | head -n 1 || true)
+[ -n "$RUN" ] || die "run_all wrote no results/run_* directory in $WORK"
 for f in kvwire_tcp.json kvwire_shm.json; do
   [ -s "$RUN/$f" ] || echo "WARNING: $RUN/$f is missing (kvwire-bench failed; see $RUN/summary.txt)" >&2
 done

@@ -14,28 +14,28 @@
 # Env: KVWIRE_PY_CACHE, KVWIRE_VLLM_VERSIONS (default "0.33.0 0.18.1"), PYTHON (default python3),
 #      KVWIRE_SKIP_VLLM=1 (only maturin + the wheel; a plain venv "$CACHE/plain" is made for it).
 # Prints the venv pythons, one per line, to $KVWIRE_PY_CACHE/venvs.txt.
-set -euo pipefail
 cd "$(dirname "$0")/../.."
 ROOT=$(pwd)
+. "$ROOT/tests/lib/install.sh"
+install_init setup "bash tests/python/setup.sh   (a failed vLLM venv is removed and redone; logs in ${KVWIRE_PY_CACHE:-$HOME/.cache/kvwire-py})"
 CACHE=${KVWIRE_PY_CACHE:-$HOME/.cache/kvwire-py}
 VERSIONS=${KVWIRE_VLLM_VERSIONS:-"0.33.0 0.18.1"}
 PY=${PYTHON:-python3}
 mkdir -p "$CACHE"
 export PIP_DISABLE_PIP_VERSION_CHECK=1
 
-log() { echo "[setup $(date +%T)] $*"; }
-
 # 0. venv support (Debian's python3 needs python3-venv for ensurepip).
 if ! "$PY" -c "import ensurepip, venv" >/dev/null 2>&1; then
-  log "apt-get install python3-venv"
+  log "apt-get install python3-venv python3-pip"
   export DEBIAN_FRONTEND=noninteractive
-  apt-get update -qq && apt-get install -y -qq --no-install-recommends python3-venv python3-pip
+  { apt-get update -qq && apt-get install -y -qq --no-install-recommends python3-venv python3-pip; } \
+    || die "apt-get install python3-venv python3-pip (needs root and Debian's package lists)"
 fi
 
 # 1. maturin for the build interpreter.
 if ! "$PY" -m maturin --version >/dev/null 2>&1; then
   log "pip install maturin"
-  "$PY" -m pip install -q "maturin>=1.9.4,<2"
+  "$PY" -m pip install -q "maturin>=1.9.4,<2" || die "pip install maturin into $PY"
 fi
 "$PY" -m maturin --version
 
@@ -47,16 +47,15 @@ install_venv() {
   fi
   rm -rf "$dir"
   local t0=$SECONDS
-  "$PY" -m venv "$dir"
-  "$dir/bin/python" -m pip install -q --upgrade pip >/dev/null
+  "$PY" -m venv "$dir" || { log "vllm $ver: python -m venv $dir FAILED"; return 1; }
+  "$dir/bin/python" -m pip install -q --upgrade pip >/dev/null || { log "vllm $ver: pip upgrade FAILED"; return 1; }
   if ! "$dir/bin/python" -m pip install "vllm==$ver" pytest >"$CACHE/vllm-$ver.pip.log" 2>&1; then
     log "vllm $ver install FAILED; see $CACHE/vllm-$ver.pip.log"
-    tail -20 "$CACHE/vllm-$ver.pip.log"
+    tail -20 "$CACHE/vllm-$ver.pip.log" >&2
     return 1
   fi
-  local secs=$((SECONDS - t0))
-  local size
-  size=$(du -sh "$dir" | cut -f1)
+  local secs=$((SECONDS - t0)) size
+  size=$(du -sh "$dir" 2>/dev/null | cut -f1) || size=unknown
   echo "vllm $ver: installed in ${secs} s, venv size ${size}" | tee "$CACHE/vllm-$ver.install"
   touch "$dir/.kvwire-ok"
 }
@@ -64,12 +63,14 @@ install_venv() {
 venvs=()
 if [ "${KVWIRE_SKIP_VLLM:-0}" = 1 ]; then
   if [ ! -x "$CACHE/plain/bin/python" ]; then
-    "$PY" -m venv "$CACHE/plain"
+    log "python -m venv $CACHE/plain"
+    "$PY" -m venv "$CACHE/plain" || die "python -m venv $CACHE/plain"
   fi
-  "$CACHE/plain/bin/python" -m pip install -q pytest
+  "$CACHE/plain/bin/python" -m pip install -q pytest || die "pip install pytest into $CACHE/plain"
   venvs+=("$CACHE/plain")
 else
   pids=()
+  vers=()
   for v in $VERSIONS; do
     if [ -f "$CACHE/vllm-$v/.kvwire-ok" ]; then
       log "vllm $v: cached ($(cat "$CACHE/vllm-$v.install" 2>/dev/null || echo 'no record'))"
@@ -77,29 +78,23 @@ else
       log "vllm $v: installing (several minutes, ~9 GB)"
       install_venv "$v" &
       pids+=($!)
+      vers+=("$v")
     fi
     venvs+=("$CACHE/vllm-$v")
   done
-  for p in "${pids[@]}"; do
-    wait "$p"
+  failed=()
+  for i in "${!pids[@]}"; do
+    wait "${pids[$i]}" || failed+=("${vers[$i]}")
   done
+  [ ${#failed[@]} -eq 0 ] || die "vLLM venv install for version(s) ${failed[*]} (logs: $CACHE/vllm-<ver>.pip.log)"
 fi
 
 # 2b. Mooncake's transfer engine (CPU build, pinned) in every vLLM venv: vLLM's own
 #     MooncakeConnector imports it, and `kvwire-bench tax` measures that connector next to ours.
-#     Idempotent: skipped when the pinned version is already there.
-MOONCAKE_PIN=${KVWIRE_MOONCAKE_PIN:-mooncake-transfer-engine-non-cuda==0.3.13.post1}
+#     tests/python/install_mooncake.sh probes, installs when absent and checks the import.
 if [ "${KVWIRE_SKIP_VLLM:-0}" != 1 ]; then
   for d in "${venvs[@]}"; do
-    have=$("$d/bin/python" -m pip show mooncake-transfer-engine-non-cuda 2>/dev/null | sed -n 's/^Version: //p')
-    if [ "mooncake-transfer-engine-non-cuda==$have" = "$MOONCAKE_PIN" ]; then
-      log "$(basename "$d"): $MOONCAKE_PIN present"
-    else
-      log "$(basename "$d"): pip install $MOONCAKE_PIN"
-      "$d/bin/python" -m pip install -q "$MOONCAKE_PIN"
-    fi
-    "$d/bin/python" -c "from mooncake.engine import TransferEngine" 2>/dev/null \
-      || { log "$(basename "$d"): mooncake.engine does not import"; exit 1; }
+    bash "$ROOT/tests/python/install_mooncake.sh" "$d"
   done
 fi
 
@@ -109,12 +104,16 @@ WHEELS="$CACHE/wheels"
 rm -rf "$WHEELS"
 mkdir -p "$WHEELS"
 log "maturin build --release"
-(cd ffi && "$PY" -m maturin build --release -q -o "$WHEELS" -j "${KVWIRE_JOBS:-2}" 2>&1 | tail -3)
-WHL=$(ls "$WHEELS"/kvwire-*.whl | head -1)
+(cd ffi && "$PY" -m maturin build --release -q -o "$WHEELS" -j "${KVWIRE_JOBS:-2}" >"$CACHE/maturin.log" 2>&1) \
+  || { tail -30 "$CACHE/maturin.log" >&2; die "maturin build of the kvwire wheel (log: $CACHE/maturin.log)"; }
+WHL=
+for w in "$WHEELS"/kvwire-*.whl; do [ -f "$w" ] && WHL=$w; done
+[ -n "$WHL" ] || die "maturin build wrote no kvwire wheel into $WHEELS"
 : >"$CACHE/venvs.txt"
 for d in "${venvs[@]}"; do
-  "$d/bin/python" -m pip install -q --force-reinstall --no-deps "$WHL"
-  "$d/bin/python" -c "import kvwire, sys; print('kvwire', kvwire.__version__, 'in', sys.prefix)"
+  "$d/bin/python" -m pip install -q --force-reinstall --no-deps "$WHL" || die "pip install $WHL into $d"
+  "$d/bin/python" -c "import kvwire, sys; print('kvwire', kvwire.__version__, 'in', sys.prefix)" \
+    || die "kvwire does not import in $d"
   echo "$d/bin/python" >>"$CACHE/venvs.txt"
 done
 log "done"

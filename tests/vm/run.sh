@@ -38,7 +38,7 @@
 #
 # Idempotent: the kernel + initramfs are cached per kernel ABI and per version of this
 # script; a warm run only boots.
-set -euo pipefail
+set -Eeuo pipefail
 
 CACHE=${KVWIRE_VM_CACHE:-${XDG_CACHE_HOME:-$HOME/.cache}/kvwire-vm}
 TIMEOUT=${KVWIRE_VM_TIMEOUT:-900}
@@ -48,7 +48,9 @@ ACCEL=${KVWIRE_VM_ACCEL:-tcg}
 VM_FAIL=125
 T0=$(date +%s.%N)
 log() { echo "[kvwire-vm $(date +%T)] $*" >&2; }
-die() { log "$*"; exit $VM_FAIL; }
+die() { trap - ERR; log "$*"; exit $VM_FAIL; }
+# Any failing command outside an explicit check names itself instead of ending the run silently.
+trap 'die "FAILED at line $LINENO: $BASH_COMMAND (retry: tests/vm/run.sh --setup-only; cache: $CACHE)"' ERR
 
 # ------------------------------------------------------------------ host packages
 # package -> a file it provides, to test presence without dpkg-query parsing
@@ -91,9 +93,10 @@ setup() {
   if [ -n "$deb" ]; then
     kpkg=$(dpkg-deb -f "$deb" Package)
   else
-    kpkg=$(apt-cache depends linux-image-amd64 2>/dev/null | awk '/Depends: linux-image-/{print $2; exit}')
-    if [ -z "$kpkg" ]; then apt-get update -qq >&2 || true
-      kpkg=$(apt-cache depends linux-image-amd64 2>/dev/null | awk '/Depends: linux-image-/{print $2; exit}')
+    # a probe: no package lists yet is an answer (update, then ask again), not an error
+    kpkg=$(apt-cache depends linux-image-amd64 2>/dev/null | awk '/Depends: linux-image-/{print $2; exit}' || true)
+    if [ -z "$kpkg" ]; then apt-get update -qq >&2 || log "apt-get update failed"
+      kpkg=$(apt-cache depends linux-image-amd64 2>/dev/null | awk '/Depends: linux-image-/{print $2; exit}' || true)
     fi
   fi
   [ -n "$kpkg" ] || die "cannot resolve the kernel package (apt lists missing?)"
@@ -118,8 +121,8 @@ setup() {
       [ -n "$deb" ] || die "apt-get download $kpkg produced no .deb"
     fi
   fi
-  dpkg -x "$deb" "$KDIR/root"
-  cp "$KDIR/root/boot/vmlinuz-$kver" "$KERNEL"
+  dpkg -x "$deb" "$KDIR/root" || die "dpkg -x $deb failed (a damaged download? remove it and retry)"
+  cp "$KDIR/root/boot/vmlinuz-$kver" "$KERNEL" || die "$deb holds no boot/vmlinuz-$kver"
   if grep -q '^CONFIG_PVH=y' "$KDIR/root/boot/config-$kver" 2>/dev/null; then
     # the bzImage payload is one xz stream; xz complains about trailing bytes, so its exit
     # status is ignored and the ELF magic checked instead
@@ -130,15 +133,20 @@ setup() {
       rm -f "$KDIR/vmlinux"; log "note: no vmlinux extracted; booting the bzImage"
     fi
   fi
-  depmod -b "$KDIR/root" "$kver"
+  depmod -b "$KDIR/root" "$kver" || die "depmod for $kver failed"
   local ir=$KDIR/initramfs
   mkdir -p "$ir"/{bin,mods,proc,sys,dev,lower,rw,newroot,job}
   cp /bin/busybox "$ir/bin/busybox"
   : > "$ir/mods/order"
   local m ko
+  : > "$KDIR/modlist.all"
   for m in $MODULES; do
-    modprobe -d "$KDIR/root" -S "$kver" --show-depends "$m" | awk '$1=="insmod"{print $2}'
-  done | awk '!seen[$0]++' > "$KDIR/modlist"
+    modprobe -d "$KDIR/root" -S "$kver" --show-depends "$m" > "$KDIR/deps.$m" 2>&1 \
+      || die "module $m is not in $kpkg: $(head -c 300 "$KDIR/deps.$m")"
+    awk '$1=="insmod"{print $2}' "$KDIR/deps.$m" >> "$KDIR/modlist.all"
+    rm -f "$KDIR/deps.$m"
+  done
+  awk '!seen[$0]++' "$KDIR/modlist.all" > "$KDIR/modlist"; rm -f "$KDIR/modlist.all"
   while read -r ko; do
     [ -f "$ko" ] || die "module file missing: $ko"
     case $ko in *.xz) xz -dc "$ko" > "$ir/mods/$(basename "${ko%.xz}")"; ko=${ko%.xz};;
@@ -218,6 +226,7 @@ INIT
 # ------------------------------------------------------------------ main
 ensure_host_packages
 setup
+trap - ERR   # past the install path: the program's and qemu's exit statuses are handled below
 [ "${1:-}" = "--setup-only" ] && { log "ready: kernel=$KERNEL initrd=$INITRD"; exit 0; }
 [ $# -ge 1 ] || { echo "usage: $0 <host-program> [args...] | --setup-only" >&2; exit 2; }
 BOOT_KERNEL=$KERNEL
