@@ -85,6 +85,7 @@
 //! deletion, FIFO queues of pending actions): nothing walks all requests or all cached blocks.
 
 #![deny(missing_docs)]
+#![forbid(unsafe_code)]
 
 pub mod dside;
 pub mod metrics;

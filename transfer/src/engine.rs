@@ -543,6 +543,7 @@ impl Engine {
     /// region returned `Ok` (after an error it must stay valid, see there), and, over RDMA,
     /// until every batch that used the region has completed; the caller must not hold Rust
     /// references into it while peers may write (remote writes land at any time).
+    #[allow(unsafe_code)] // the caller's contract, forwarded to `RegionMem::from_raw`
     pub unsafe fn register_raw(
         &self,
         ptr: *mut u8,

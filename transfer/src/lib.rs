@@ -36,21 +36,25 @@
 //! Rust slice (peers write into it concurrently): use [`Engine::local_write`] and
 //! [`Engine::local_read`].
 
+#![deny(unsafe_code)]
+
 mod auth;
 mod batch;
 pub mod coalesce;
 mod config;
 #[cfg(feature = "cuda")]
+#[allow(unsafe_code)]
 pub mod cuda;
 mod engine;
 mod error;
 pub mod layer;
+#[allow(unsafe_code)]
 mod mem;
 pub mod metrics;
 mod notify;
 mod region;
 mod transport;
-pub mod verbs;
+pub use kvwire_verbs as verbs;
 pub mod wire;
 
 pub use batch::{Batch, BatchStats};

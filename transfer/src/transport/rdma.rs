@@ -72,10 +72,10 @@ use crate::batch::{BatchState, BatchStats, Pending};
 use crate::config::{EngineConfig, TransportKind};
 use crate::engine::CtrlWriter;
 use crate::error::Error;
-use crate::mem::RegionMem;
+use crate::mem::RegionMrs;
 use crate::region::{RegionEntry, RegionId};
 use crate::verbs::{
-    self, ConnectParams, Context, Cq, Endpoint, GidSelection, LinkLayer, Mr, Mtu, Pd, Qp, QpCaps,
+    self, ConnectParams, Context, Cq, Endpoint, GidSelection, LinkLayer, Mtu, Pd, Qp, QpCaps,
     RemoteSlice, SendOp, SendRequest, Sge, Verbs, VerbsError, WcStatus,
 };
 use crate::wire::{CtrlMsg, HostIdentity, TRANSPORT_RDMA};
@@ -149,10 +149,9 @@ fn env_knob(name: &str, default: u64, max: u64) -> u64 {
 /// A registered region: one MR per device and the memory they cover (kept alive next to them).
 pub(crate) struct MrSet {
     /// Index = local device index.
-    per_dev: Vec<Mr>,
+    mrs: RegionMrs,
     /// Offered to peers (remote rights granted).
     offered: bool,
-    _mem: Arc<RegionMem>,
 }
 
 struct Dev {
@@ -522,7 +521,7 @@ impl RdmaTransport {
             .mrs
             .read()
             .get(&id)
-            .and_then(|m| m.per_dev.first().map(|mr| mr.rkey()))
+            .and_then(|m| m.mrs.get(0).map(|mr| mr.rkey()))
     }
 
     /// Registers a region's memory with every device.
@@ -534,31 +533,19 @@ impl RdmaTransport {
         if e.access.remote_read() {
             access = access | verbs::Access::REMOTE_READ;
         }
-        let mem = e.mem.clone();
-        let mut per_dev = Vec::with_capacity(self.sh.devs.len());
-        for d in &self.sh.devs {
-            // SAFETY: the memory `mem.addr() .. + mem.len()` is owned (memfd mapping) or
-            // promised valid by `Engine::register_raw`'s contract for as long as the
-            // `RegionMem` lives; the `MrSet` holds that `Arc<RegionMem>` next to every MR of
-            // it, and every work request naming one of the MRs holds the `MrSet`, so the memory
-            // outlives the registrations and every use of it by the NICs. The engine never
-            // hands out Rust references into region memory (copies go through `RegionMem`), so
-            // concurrent NIC access races with no Rust reference.
-            let mr = unsafe { d.pd.register_raw(mem.addr() as *mut u8, mem.len(), access) }
-                .map_err(|err| {
-                    Error::Io(std::io::Error::other(format!(
-                        "registering region {:?} on {}: {err}",
-                        e.id, d.name
-                    )))
-                })?;
-            per_dev.push(mr);
-        }
+        let mrs = RegionMrs::register(&e.mem, self.sh.devs.iter().map(|d| &d.pd), access).map_err(
+            |(i, err)| {
+                Error::Io(std::io::Error::other(format!(
+                    "registering region {:?} on {}: {err}",
+                    e.id, self.sh.devs[i].name
+                )))
+            },
+        )?;
         self.sh.mrs.write().insert(
             e.id,
             Arc::new(MrSet {
-                per_dev,
+                mrs,
                 offered: e.access.offered(),
-                _mem: mem,
             }),
         );
         Ok(())
@@ -1051,7 +1038,7 @@ impl PeerShared {
                     }
                     if let Some(e) = m.get_mut(&id) {
                         let (Some(mr), Some(&rkey)) =
-                            (e.mr.per_dev.get(l.ldev), e.wr.rkeys.get(l.rdev))
+                            (e.mr.mrs.get(l.ldev), e.wr.rkeys.get(l.rdev))
                         else {
                             continue; // cannot happen: lanes are chosen where keys exist
                         };
@@ -1708,7 +1695,7 @@ impl PeerShared {
                     out.extend_from_slice(&id.generation.to_le_bytes());
                     let set = mrs.get(id).filter(|m| m.offered);
                     for i in 0..ndev {
-                        let k = set.and_then(|m| m.per_dev.get(i)).map_or(0, |mr| mr.rkey());
+                        let k = set.and_then(|m| m.mrs.get(i)).map_or(0, |mr| mr.rkey());
                         out.extend_from_slice(&k.to_le_bytes());
                     }
                 }
@@ -1811,8 +1798,8 @@ impl PeerTransport for RdmaPeer {
                     .ok_or_else(|| Error::InvalidArgument("remote address overflow".into()))?;
                 let rkeys = sh.rkeys_for(x.remote.id, x.remote.rkey, &mut ask);
                 let first = mr
-                    .per_dev
-                    .first()
+                    .mrs
+                    .get(0)
                     .ok_or_else(|| Error::Unsupported("no RDMA device".into()))?;
                 let mut done = 0u64;
                 while done < x.len {

@@ -1,5 +1,5 @@
 #!/bin/sh
-# Regenerates transfer/src/verbs/sys.rs (run from transfer/src/verbs/: ./gen-sys.sh raw.rs,
+# Regenerates transfer/verbs/src/sys.rs (run from transfer/verbs/src/: ./gen-sys.sh raw.rs,
 # then prepend the header of sys.rs and rustfmt).  Needs bindgen-cli 0.73
 # (`cargo install bindgen-cli`), libclang (`apt-get install libclang-dev clang`) and the
 # rdma-core headers (`apt-get install libibverbs-dev`).  Nothing in the build runs this.

@@ -4,9 +4,11 @@ use std::ptr::NonNull;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use super::device::{Context, ContextInner};
-use super::error::{WcError, WcStatus};
-use super::{ibv_fn, ops, sys, VerbsError};
+use crate::device::{Context, ContextInner};
+use crate::error::VerbsError;
+use crate::error::{WcError, WcStatus};
+use crate::library::ibv_fn;
+use crate::{ops, sys};
 
 /// Polls made before arming the CQ and sleeping on its channel: completions that are already
 /// there (or arrive within a few microseconds) are reaped without a system call.

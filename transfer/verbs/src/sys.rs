@@ -1,9 +1,9 @@
-//! Raw libibverbs bindings, loaded at run time (see `super` for the safe layer).
+//! Raw libibverbs bindings, loaded at run time (see the crate root for the safe layer).
 //!
 //! GENERATED ONCE, then committed; nothing in the build regenerates it.
 //! Generator: bindgen-cli 0.73.2 in dynamic-loading mode, from the headers of Debian 12's
 //! `libibverbs-dev` 44.0-2 (rdma-core v44), with libclang 14.  The exact command is
-//! `transfer/src/verbs/gen-sys.sh` in this folder:
+//! `transfer/verbs/src/gen-sys.sh` in this folder:
 //!
 //! ```text
 //! bindgen /usr/include/infiniband/verbs.h --dynamic-loading IbvLib \
@@ -19,7 +19,7 @@
 //! [`IbvLib`], resolved when the library is opened; a symbol that an older library lacks
 //! (e.g. `ibv_reg_dmabuf_mr`) is an `Err` there, not a load failure.  The static-inline verbs
 //! (`ibv_post_send`, `ibv_post_recv`, `ibv_poll_cq`, `ibv_req_notify_cq`) are not exported
-//! symbols and are written by hand in `super::ops` through `ibv_context::ops`.
+//! symbols and are written by hand in `crate::ops` through `ibv_context::ops`.
 //!
 //! The `unsafe` blocks below are bindgen's (zero-initialising `Default` impls of plain C
 //! structs, and calls through the resolved function pointers); every other `unsafe` of kvwire's

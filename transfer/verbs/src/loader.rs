@@ -1,54 +1,9 @@
-//! RDMA verbs, loaded at run time.
-//!
-//! libibverbs is opened with `dlopen` (through [`libloading`]) when [`Verbs::load`] is called,
-//! never linked: a machine without it runs kvwire over TCP/shm, and the Python wheel stays
-//! manylinux. The raw bindings in `sys` were generated once with bindgen's dynamic-loading mode
-//! and committed (see that file's header); the static-inline verbs of `<infiniband/verbs.h>`
-//! (`ibv_post_send`, `ibv_post_recv`, `ibv_poll_cq`, `ibv_req_notify_cq`) are re-implemented
-//! in `ops` by calling through the context's ops table, exactly as the inlines do.
-//!
-//! The safe layer is thin and owns every resource with RAII:
-//!
-//! ```text
-//! Verbs ─ devices() / open(name) ─▶ Context ─┬─ alloc_pd() ─▶ Pd ─┬─ register_*() ─▶ Mr / RegisteredBuffer
-//!                                            │                    └─ create_qp(cq, cq) ─▶ Qp (RC)
-//!                                            └─ create_cq() ─▶ Cq (+ its own completion channel)
-//! ```
-//!
-//! Children hold an `Arc` of their parents, so a parent is only destroyed after its last child
-//! (QP before CQ and PD, MR before PD, CQ before its channel, everything before the device
-//! context). All `unsafe` code of kvwire's verbs support is in this module.
-//!
-//! Memory safety of posting: a work request names local memory only through `(lkey, addr, len)`
-//! triples, which the NIC checks against the registered region before it touches a byte (an
-//! invalid one completes with [`WcStatus::LocalProtection`]); a region's memory outlives the
-//! region by construction ([`RegisteredBuffer`]) or by the contract of the `unsafe`
-//! [`Pd::register_raw`]. So posting is a safe operation; remote addresses are checked by the
-//! remote NIC against the remote key.
+//! [`Verbs`]: loading libibverbs, listing and opening devices.
 
-mod cq;
-mod device;
-mod error;
-mod memory;
-mod ops;
-mod qp;
-#[allow(
-    dead_code,
-    non_camel_case_types,
-    non_snake_case,
-    non_upper_case_globals,
-    missing_docs,
-    unsafe_op_in_unsafe_fn,
-    clippy::all
-)]
-mod sys;
-
-pub use cq::{Completion, CompletionOp, Cq};
-pub use device::{Context, DeviceInfo, Gid, GidKind, GidSelection, LinkLayer, Mtu, PortInfo};
-pub use error::{VerbsError, WcError, WcStatus};
-pub use memory::{Access, Mr, Pd, RegisteredBuffer, RemoteSlice, Sge};
-pub use qp::{ConnectParams, Endpoint, Qp, QpCaps, SendOp, SendRequest};
-
+use crate::device::{Context, DeviceInfo};
+use crate::error::VerbsError;
+use crate::library::{ibv_fn, Lib};
+use crate::sys;
 use std::ffi::CStr;
 use std::sync::Arc;
 
@@ -83,54 +38,6 @@ const REQUIRED_SYMBOLS: &[&str] = &[
     "ibv_modify_qp",
     "ibv_destroy_qp",
 ];
-
-/// The loaded library. Shared (`Arc`) by every resource created from it, so it is unloaded
-/// only after the last resource is destroyed.
-pub(crate) struct Lib {
-    raw: sys::IbvLib,
-}
-
-/// Fetches a resolved entry point of [`Lib`], or returns `MissingSymbol` from the caller.
-macro_rules! ibv_fn {
-    ($lib:expr, $name:ident) => {
-        match &$lib.raw.$name {
-            Ok(f) => *f,
-            Err(_) => return Err($crate::verbs::VerbsError::MissingSymbol(stringify!($name))),
-        }
-    };
-}
-pub(crate) use ibv_fn;
-
-impl Lib {
-    fn has(&self, name: &str) -> bool {
-        let r = &self.raw;
-        match name {
-            "ibv_get_device_list" => r.ibv_get_device_list.is_ok(),
-            "ibv_free_device_list" => r.ibv_free_device_list.is_ok(),
-            "ibv_get_device_name" => r.ibv_get_device_name.is_ok(),
-            "ibv_get_device_guid" => r.ibv_get_device_guid.is_ok(),
-            "ibv_open_device" => r.ibv_open_device.is_ok(),
-            "ibv_close_device" => r.ibv_close_device.is_ok(),
-            "ibv_query_device" => r.ibv_query_device.is_ok(),
-            "ibv_query_port" => r.ibv_query_port.is_ok(),
-            "ibv_query_gid" => r.ibv_query_gid.is_ok(),
-            "ibv_alloc_pd" => r.ibv_alloc_pd.is_ok(),
-            "ibv_dealloc_pd" => r.ibv_dealloc_pd.is_ok(),
-            "ibv_reg_mr" => r.ibv_reg_mr.is_ok(),
-            "ibv_dereg_mr" => r.ibv_dereg_mr.is_ok(),
-            "ibv_create_comp_channel" => r.ibv_create_comp_channel.is_ok(),
-            "ibv_destroy_comp_channel" => r.ibv_destroy_comp_channel.is_ok(),
-            "ibv_create_cq" => r.ibv_create_cq.is_ok(),
-            "ibv_destroy_cq" => r.ibv_destroy_cq.is_ok(),
-            "ibv_get_cq_event" => r.ibv_get_cq_event.is_ok(),
-            "ibv_ack_cq_events" => r.ibv_ack_cq_events.is_ok(),
-            "ibv_create_qp" => r.ibv_create_qp.is_ok(),
-            "ibv_modify_qp" => r.ibv_modify_qp.is_ok(),
-            "ibv_destroy_qp" => r.ibv_destroy_qp.is_ok(),
-            _ => false,
-        }
-    }
-}
 
 /// Handle to a loaded libibverbs. Cheap to clone.
 #[derive(Clone)]

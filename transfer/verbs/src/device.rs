@@ -5,8 +5,9 @@ use std::path::{Path, PathBuf};
 use std::ptr::NonNull;
 use std::sync::Arc;
 
-use super::sys;
-use super::{ibv_fn, Lib, VerbsError};
+use crate::error::VerbsError;
+use crate::library::{ibv_fn, Lib};
+use crate::sys;
 
 /// sysfs directory of RDMA devices.
 const SYSFS_IB: &str = "/sys/class/infiniband";

@@ -7,7 +7,7 @@
 
 use std::os::raw::c_int;
 
-use super::sys;
+use crate::sys;
 
 const EOPNOTSUPP: c_int = libc::EOPNOTSUPP;
 

@@ -3,10 +3,12 @@
 use std::ptr::NonNull;
 use std::sync::Arc;
 
-use super::cq::{Cq, CqInner};
-use super::device::{Gid, Mtu};
-use super::memory::{Pd, PdInner, RemoteSlice, Sge};
-use super::{ibv_fn, ops, sys, VerbsError};
+use crate::cq::{Cq, CqInner};
+use crate::device::{Gid, Mtu};
+use crate::error::VerbsError;
+use crate::library::ibv_fn;
+use crate::memory::{Pd, PdInner, RemoteSlice, Sge};
+use crate::{ops, sys};
 
 /// Sizes of a QP's queues.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -88,7 +90,7 @@ impl Endpoint {
 pub struct ConnectParams {
     /// Local port (1-based).
     pub port: u8,
-    /// Local source GID index (from [`super::Context::select_gid`]).
+    /// Local source GID index (from [`crate::Context::select_gid`]).
     pub sgid_index: u8,
     /// Path MTU: the smaller of both ports' active MTUs.
     pub mtu: Mtu,
@@ -355,7 +357,7 @@ impl Qp {
     }
 
     /// Moves the QP to the ERROR state: every outstanding request completes with
-    /// [`super::WcStatus::WrFlush`] (how a transport drains a QP before destroying it).
+    /// [`crate::WcStatus::WrFlush`] (how a transport drains a QP before destroying it).
     pub fn set_error(&self) -> Result<(), VerbsError> {
         let mut a = sys::ibv_qp_attr {
             qp_state: sys::IBV_QPS_ERR,

@@ -4,8 +4,10 @@ use std::alloc::Layout;
 use std::ptr::NonNull;
 use std::sync::Arc;
 
-use super::device::{Context, ContextInner};
-use super::{ibv_fn, sys, VerbsError};
+use crate::device::{Context, ContextInner};
+use crate::error::VerbsError;
+use crate::library::ibv_fn;
+use crate::sys;
 
 /// Access rights of a memory region (`IBV_ACCESS_*`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
