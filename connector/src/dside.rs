@@ -95,6 +95,29 @@ pub enum DEvent {
         /// The reserved block ids, in prompt order.
         blocks: Vec<BlockId>,
     },
+    /// D already holds the request's first `blocks` blocks (a local prefix-cache hit): P sends
+    /// only the suffix, and the reservation ([`DEvent::Reserved`], [`DEvent::Landing`]) covers
+    /// the other blocks. Valid while the request waits for its reservation; the latest wins.
+    PrefixHit {
+        /// The request.
+        req: RequestId,
+        /// Blocks D already has, from the first.
+        blocks: u32,
+    },
+    /// Policy `land`: the host gave the request these slots of its landing pool (after
+    /// [`DAction::MayLand`]); P writes the request's KV there.
+    Landing {
+        /// The request.
+        req: RequestId,
+        /// Landing-pool slots, one per block D receives.
+        slots: Vec<BlockId>,
+    },
+    /// Policy `land`: the landing pool cannot take the request (after [`DAction::MayLand`]); it
+    /// is reserved as `lazy` instead (counted in [`DMetrics::land_fallbacks`]).
+    LandFallback {
+        /// The request.
+        req: RequestId,
+    },
     /// The local transfer engine delivered the notification that a layer has fully landed.
     LayerLanded {
         /// The request.
@@ -161,6 +184,22 @@ pub enum DAction {
         /// Blocks to reserve.
         blocks: u32,
     },
+    /// Policy `land`: the request may now take `blocks` slots of the landing pool (emitted once
+    /// per request); answer with [`DEvent::Landing`] or [`DEvent::LandFallback`].
+    MayLand {
+        /// The request.
+        req: RequestId,
+        /// Slots to take.
+        blocks: u32,
+    },
+    /// Free these landing-pool slots: no write of P can land in them any more (a failed `land`
+    /// request; a request whose KV landed keeps its slots until the host copied them).
+    ReleaseLanding {
+        /// The request.
+        req: RequestId,
+        /// The slots.
+        slots: Vec<BlockId>,
+    },
     /// Free these blocks: the reservation ends without becoming a running request.
     ReleaseBlocks {
         /// The request.
@@ -168,7 +207,8 @@ pub enum DAction {
         /// The blocks.
         blocks: Vec<BlockId>,
     },
-    /// Every layer has landed: report the request finished (vLLM `finished_recving`).
+    /// Every layer has landed: report the request finished (vLLM `finished_recving`). For a
+    /// `land` request the KV is in its landing slots: copy them into the reserved blocks first.
     ReportFinished {
         /// The request.
         req: RequestId,
@@ -218,6 +258,18 @@ pub enum DError {
         expected: u32,
         /// Blocks given.
         got: usize,
+    },
+    /// `PrefixHit` covering every block of the request (at least one must be received).
+    #[error(
+        "request {req:?}: a prefix hit of {hit} blocks leaves nothing of its {blocks} to receive"
+    )]
+    PrefixTooLong {
+        /// The request.
+        req: RequestId,
+        /// Blocks the hit covers.
+        hit: u32,
+        /// Blocks of the request.
+        blocks: u32,
     },
     /// A layer index at or above the model's layer count.
     #[error("layer {layer} out of range for request {req:?}")]
@@ -271,6 +323,8 @@ enum DState {
     Early,
     Waiting,
     Reserved,
+    /// `land`: every layer is in the landing pool; waiting for KV blocks.
+    Landed,
     Complete,
     Reported,
     Promoted,
@@ -283,6 +337,7 @@ impl DState {
             DState::Early => "early",
             DState::Waiting => "waiting",
             DState::Reserved => "reserved",
+            DState::Landed => "landed",
             DState::Complete => "complete",
             DState::Reported => "reported",
             DState::Promoted => "promoted",
@@ -295,11 +350,20 @@ impl DState {
 struct DReq {
     peer: PeerId,
     state: DState,
+    /// Blocks of the request (its whole prompt).
     blocks_needed: u32,
+    /// Blocks D already holds (prefix-cache hit): the first `first` are not received.
+    first: u32,
+    /// The request's policy (`land` falls back to `lazy` when the landing pool is full).
+    policy: Policy,
+    /// `blocks` are landing-pool slots, not KV blocks.
+    landing: bool,
     /// Layer and block counts P announced (checked once D knows its own).
     p_layers: Option<(u16, u32)>,
     p_started: bool,
     p_done: bool,
+    /// P said it has the request queued: no more waiting deadline while P is alive.
+    p_acked: bool,
     landed: LayerSet,
     blocks: Vec<BlockId>,
     blocks_sent: bool,
@@ -376,12 +440,15 @@ impl DSide {
                 DState::Early => g.early += 1,
                 DState::Waiting => g.waiting += 1,
                 DState::Reserved => g.reserved += 1,
+                DState::Landed => g.landed += 1,
                 DState::Complete => g.complete += 1,
                 DState::Reported => g.reported += 1,
                 DState::Promoted => g.promoted += 1,
                 DState::Draining => g.draining += 1,
             }
-            if r.state != DState::Promoted && !r.blocks.is_empty() {
+            if r.landing {
+                g.landing_slots += r.blocks.len() as u64;
+            } else if r.state != DState::Promoted && !r.blocks.is_empty() {
                 let n = r.blocks.len() as u64;
                 g.held_blocks += n;
                 if let Some(at) = r.rec.d_reserved {
@@ -400,9 +467,10 @@ impl DSide {
     /// Whether the host may reserve blocks for `req` now. O(1); vLLM calls it from
     /// `get_num_new_matched_tokens` every step and returns `None` ("not yet") while false.
     pub fn may_reserve(&self, req: RequestId) -> bool {
-        self.reqs
-            .get(&req)
-            .is_some_and(|r| r.state == DState::Waiting && self.allowed(r))
+        self.reqs.get(&req).is_some_and(|r| {
+            (r.state == DState::Waiting && r.policy != Policy::Land && allowed(r.policy, r))
+                || r.state == DState::Landed
+        })
     }
 
     /// Blocks `req` holds in its reservation (empty if none).
@@ -442,6 +510,34 @@ impl DSide {
                 blocks,
             } => self.on_arrived(req, peer, tokens, blocks, now),
             DEvent::Reserved { req, blocks } => self.on_reserved(req, blocks, now),
+            DEvent::PrefixHit { req, blocks } => {
+                let r = self.get_mut(req)?;
+                if r.state != DState::Waiting {
+                    return Err(invalid(req, "prefix_hit", r.state));
+                }
+                if blocks >= r.blocks_needed {
+                    return Err(DError::PrefixTooLong {
+                        req,
+                        hit: blocks,
+                        blocks: r.blocks_needed,
+                    });
+                }
+                r.first = blocks;
+                r.rec.prefix_blocks = blocks;
+                Ok(())
+            }
+            DEvent::Landing { req, slots } => self.on_landing(req, slots, now),
+            DEvent::LandFallback { req } => {
+                let r = self.get_mut(req)?;
+                if r.state != DState::Waiting || r.policy != Policy::Land || !r.signalled {
+                    return Err(invalid(req, "land_fallback", r.state));
+                }
+                r.policy = Policy::Lazy;
+                r.signalled = false;
+                self.metrics.land_fallbacks += 1;
+                self.signal_if_reservable(req);
+                Ok(())
+            }
             DEvent::LayerLanded { req, layer, bytes } => {
                 if layer >= self.cfg.layers {
                     return Err(DError::LayerOutOfRange { req, layer });
@@ -561,14 +657,14 @@ impl DSide {
         rec.blocks = blocks;
         rec.tokens = tokens;
         rec.decode_sent = Some(now);
-        let (p_started, p_done, p_layers) = match self.reqs.get(&req) {
+        let (p_started, p_done, p_acked, p_layers) = match self.reqs.get(&req) {
             Some(r) if r.state == DState::Early && r.peer == peer => {
                 rec.p_scheduled = r.rec.p_scheduled;
                 rec.p_last_layer_ready = r.rec.p_last_layer_ready;
-                (r.p_started, r.p_done, r.p_layers)
+                (r.p_started, r.p_done, r.p_acked, r.p_layers)
             }
             Some(_) => return Err(DError::DuplicateRequest(req)),
-            None => (false, false, None),
+            None => (false, false, false, None),
         };
         if self.reqs.contains_key(&req) {
             self.early -= 1;
@@ -580,9 +676,13 @@ impl DSide {
                 peer,
                 state: DState::Waiting,
                 blocks_needed: blocks,
+                first: 0,
+                policy: self.cfg.policy,
+                landing: false,
                 p_layers,
                 p_started,
                 p_done,
+                p_acked,
                 landed: LayerSet::new(self.cfg.layers),
                 blocks: Vec::new(),
                 blocks_sent: false,
@@ -646,17 +746,35 @@ impl DSide {
         };
         match r.state {
             DState::Waiting => {}
+            DState::Landed => {
+                // `land`: the KV is complete in the landing pool; these are its KV blocks.
+                if blocks.len() != (r.blocks_needed - r.first) as usize {
+                    return Err(DError::WrongBlockCount {
+                        req,
+                        expected: r.blocks_needed - r.first,
+                        got: blocks.len(),
+                    });
+                }
+                r.state = DState::Complete;
+                r.rec.d_reserved = Some(now);
+                r.landing = false;
+                r.blocks = blocks;
+                self.metrics.reservations += 1;
+                self.metrics.reserved_blocks += r.blocks.len() as u64;
+                self.actions.push_back(DAction::ReportFinished { req });
+                return Ok(());
+            }
             DState::Early => return Err(DError::UnknownRequest(req)),
             DState::Reserved | DState::Draining => return Err(DError::AlreadyReserved(req)),
             s => return Err(invalid(req, "reserved", s)),
         }
-        if !allowed(policy, r) {
+        if r.policy == Policy::Land || !allowed(r.policy, r) {
             return Err(DError::NotReservable(req));
         }
-        if blocks.len() != r.blocks_needed as usize {
+        if blocks.len() != (r.blocks_needed - r.first) as usize {
             return Err(DError::WrongBlockCount {
                 req,
-                expected: r.blocks_needed,
+                expected: r.blocks_needed - r.first,
                 got: blocks.len(),
             });
         }
@@ -667,6 +785,8 @@ impl DSide {
         let peer = r.peer;
         let msg = Message::BlockIds {
             req,
+            first: r.first,
+            landing: false,
             blocks: blocks.clone(),
         };
         self.metrics.reservations += 1;
@@ -680,6 +800,46 @@ impl DSide {
             "d reserved blocks"
         );
         r.blocks = blocks;
+        self.send(peer, msg);
+        Ok(())
+    }
+
+    fn on_landing(
+        &mut self,
+        req: RequestId,
+        slots: Vec<BlockId>,
+        now: Nanos,
+    ) -> Result<(), DError> {
+        let Some(r) = self.reqs.get_mut(&req) else {
+            // Ended while the host took the slots: hand them straight back.
+            self.stats.stale_reservations += 1;
+            self.actions
+                .push_back(DAction::ReleaseLanding { req, slots });
+            return Ok(());
+        };
+        if r.state != DState::Waiting || r.policy != Policy::Land || !r.signalled {
+            return Err(invalid(req, "landing", r.state));
+        }
+        if slots.len() != (r.blocks_needed - r.first) as usize {
+            return Err(DError::WrongBlockCount {
+                req,
+                expected: r.blocks_needed - r.first,
+                got: slots.len(),
+            });
+        }
+        r.state = DState::Reserved;
+        r.landing = true;
+        r.rec.blocks_to_p = Some(now);
+        r.blocks_sent = true;
+        let peer = r.peer;
+        let msg = Message::BlockIds {
+            req,
+            first: r.first,
+            landing: true,
+            blocks: slots.clone(),
+        };
+        r.blocks = slots;
+        self.metrics.landings += 1;
         self.send(peer, msg);
         Ok(())
     }
@@ -722,6 +882,17 @@ impl DSide {
                 if self.check_p_shape(req, now) {
                     self.signal_if_reservable(req);
                 }
+            }
+            Message::Queued { .. } => {
+                let Some(r) = self.early_or_get(req, from, now) else {
+                    return;
+                };
+                if r.p_acked {
+                    self.stats.duplicate_messages += 1;
+                    return;
+                }
+                // The waiting deadline moves to `request_timeout` (re-armed when it fires).
+                r.p_acked = true;
             }
             Message::PrefillDone { .. } => {
                 let Some(r) = self.early_or_get(req, from, now) else {
@@ -833,14 +1004,21 @@ impl DSide {
             r.rec.first_byte = Some(now);
         }
         if r.landed.count() == layers {
-            r.state = DState::Complete;
             r.rec.last_byte = Some(now);
             r.gen += 1;
             let peer = r.peer;
             self.metrics.completed += 1;
             // Everything is here: the peer's death no longer affects this request.
             self.peers.detach(peer, req);
-            self.actions.push_back(DAction::ReportFinished { req });
+            if r.landing {
+                // `land`: now (and only now) the request needs KV blocks.
+                r.state = DState::Landed;
+                let blocks = r.blocks_needed - r.first;
+                self.actions.push_back(DAction::MayReserve { req, blocks });
+            } else {
+                r.state = DState::Complete;
+                self.actions.push_back(DAction::ReportFinished { req });
+            }
         }
     }
 
@@ -858,7 +1036,7 @@ impl DSide {
         match state {
             DState::Early => self.drop_early(req, now, false),
             DState::Draining | DState::Promoted => {}
-            DState::Waiting | DState::Complete | DState::Reported => {
+            DState::Waiting | DState::Landed | DState::Complete | DState::Reported => {
                 r.fail = Some(reason);
                 if notify && peer_up && state == DState::Waiting {
                     self.send(peer, Message::Abort { req, reason });
@@ -894,7 +1072,13 @@ impl DSide {
             return;
         };
         let reason = r.fail.unwrap_or(FailReason::LocalAbort);
-        let blocks = std::mem::take(&mut r.blocks);
+        let mut blocks = std::mem::take(&mut r.blocks);
+        if r.landing {
+            r.landing = false;
+            let slots = std::mem::take(&mut blocks);
+            self.actions
+                .push_back(DAction::ReleaseLanding { req, slots });
+        }
         r.rec.outcome = Outcome::Failed;
         r.rec.fail_reason = Some(reason);
         self.metrics.failed[reason_index(reason)] += 1;
@@ -1002,7 +1186,7 @@ impl DSide {
             DState::Early => Some(r.created.saturating_add(c.orphan_timeout)),
             DState::Waiting | DState::Reserved => {
                 let mut d = r.created.saturating_add(c.request_timeout);
-                if !r.p_started {
+                if !r.p_started && !r.p_acked {
                     d = d.min(r.created.saturating_add(c.wait_for_p_timeout));
                 }
                 Some(d)
@@ -1011,7 +1195,7 @@ impl DSide {
                 (r.drain_since.saturating_add(c.drain_timeout))
                     .min(r.abort_sent.saturating_add(c.heartbeat_interval)),
             ),
-            DState::Complete | DState::Reported | DState::Promoted => None,
+            DState::Landed | DState::Complete | DState::Reported | DState::Promoted => None,
         }
     }
 
@@ -1085,18 +1269,15 @@ impl DSide {
 
     // ----- helpers -----
 
-    fn allowed(&self, r: &DReq) -> bool {
-        allowed(self.cfg.policy, r)
-    }
-
     fn signal_if_reservable(&mut self, req: RequestId) {
-        let policy = self.cfg.policy;
         if let Some(r) = self.reqs.get_mut(&req) {
-            if r.state == DState::Waiting && !r.signalled && allowed(policy, r) {
+            if r.state == DState::Waiting && !r.signalled && allowed(r.policy, r) {
                 r.signalled = true;
-                self.actions.push_back(DAction::MayReserve {
-                    req,
-                    blocks: r.blocks_needed,
+                let blocks = r.blocks_needed - r.first;
+                self.actions.push_back(if r.policy == Policy::Land {
+                    DAction::MayLand { req, blocks }
+                } else {
+                    DAction::MayReserve { req, blocks }
                 });
             }
         }
@@ -1130,9 +1311,13 @@ impl DSide {
                     peer: from,
                     state: DState::Early,
                     blocks_needed: 0,
+                    first: 0,
+                    policy: self.cfg.policy,
+                    landing: false,
                     p_layers: None,
                     p_started: false,
                     p_done: false,
+                    p_acked: false,
                     landed: LayerSet::default(),
                     blocks: Vec::new(),
                     blocks_sent: false,
@@ -1197,6 +1382,7 @@ fn allowed(policy: Policy, r: &DReq) -> bool {
         Policy::Eager => true,
         Policy::Lazy => r.p_started,
         Policy::Jit => r.p_done,
+        Policy::Land => r.p_started,
     }
 }
 

@@ -120,6 +120,10 @@ pub struct DMetrics {
     pub released_blocks: u64,
     /// Requests whose KV fully landed (reported finished to the host).
     pub completed: u64,
+    /// `land` requests that took landing-pool slots ([`crate::DEvent::Landing`]).
+    pub landings: u64,
+    /// `land` requests that fell back to `lazy` because the landing pool was full.
+    pub land_fallbacks: u64,
     /// Requests promoted to running (their reservation became a running request).
     pub promoted: u64,
     /// Requests that produced their first token.
@@ -146,6 +150,8 @@ impl DMetrics {
             releases: 0,
             released_blocks: 0,
             completed: 0,
+            landings: 0,
+            land_fallbacks: 0,
             promoted: 0,
             first_tokens: 0,
             failed: [0; 7],
@@ -189,8 +195,10 @@ pub struct DGauges {
     pub early: u64,
     /// Arrived, no blocks reserved yet.
     pub waiting: u64,
-    /// Blocks reserved, KV landing.
+    /// Blocks reserved (or, `land`, landing slots taken), KV landing.
     pub reserved: u64,
+    /// `land`: every layer in the landing pool, waiting for KV blocks.
+    pub landed: u64,
     /// Every layer landed, not yet reported to the scheduler.
     pub complete: u64,
     /// Reported finished, not yet promoted.
@@ -203,20 +211,23 @@ pub struct DGauges {
     pub held_blocks: u64,
     /// Block-nanoseconds those reservations have held so far (up to the `now` given).
     pub held_block_ns: u128,
+    /// Landing-pool slots held (`land`).
+    pub landing_slots: u64,
 }
 
 /// State names of [`DGauges`], in field order (the `state` label values).
-pub const D_STATES: [&str; 7] = [
-    "early", "waiting", "reserved", "complete", "reported", "promoted", "draining",
+pub const D_STATES: [&str; 8] = [
+    "early", "waiting", "reserved", "landed", "complete", "reported", "promoted", "draining",
 ];
 
 impl DGauges {
     /// Requests by state, in the order of [`D_STATES`].
-    pub fn by_state(&self) -> [u64; 7] {
+    pub fn by_state(&self) -> [u64; 8] {
         [
             self.early,
             self.waiting,
             self.reserved,
+            self.landed,
             self.complete,
             self.reported,
             self.promoted,

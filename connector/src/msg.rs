@@ -19,8 +19,9 @@ use thiserror::Error;
 
 /// The two magic bytes that open every frame.
 pub const MAGIC: [u8; 2] = *b"KW";
-/// The codec version this crate writes and reads.
-pub const VERSION: u8 = 1;
+/// The codec version this crate writes and reads (2: `BlockIds` carries the first block index
+/// and the landing flag).
+pub const VERSION: u8 = 2;
 /// Length of the fixed frame header.
 pub const HEADER_LEN: usize = 8;
 /// Most block ids one `BlockIds` message may carry (1,048,576 blocks of 16 tokens ≈ 16M tokens).
@@ -28,7 +29,9 @@ pub const MAX_BLOCKS: usize = 1 << 20;
 /// Most layers a request may have.
 pub const MAX_LAYERS: u16 = 1024;
 /// Longest body any valid frame can have.
-pub const MAX_BODY_LEN: usize = 8 + 4 + 4 * MAX_BLOCKS;
+pub const MAX_BODY_LEN: usize = BLOCK_IDS_HEAD + 4 * MAX_BLOCKS;
+/// Fixed part of a `BlockIds` body: request, first block, landing flag, count.
+const BLOCK_IDS_HEAD: usize = 8 + 4 + 1 + 4;
 
 const T_ANNOUNCE: u8 = 1;
 const T_STARTED: u8 = 2;
@@ -38,6 +41,7 @@ const T_LAYER_SENT: u8 = 5;
 const T_ALL_SENT: u8 = 6;
 const T_ABORT: u8 = 7;
 const T_HEARTBEAT: u8 = 8;
+const T_QUEUED: u8 = 9;
 
 /// One protocol message. Direction is noted per variant.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -50,6 +54,12 @@ pub enum Message {
         tokens: u32,
         /// Blocks D will reserve for them.
         blocks: u32,
+    },
+    /// P → D: P's scheduler has the request (queued, not started yet): D no longer times out
+    /// waiting to hear from P while P is alive.
+    Queued {
+        /// The request.
+        req: RequestId,
     },
     /// P → D: P has scheduled the request (prefill started). Lets a `lazy` D reserve.
     Started {
@@ -65,11 +75,17 @@ pub enum Message {
         /// The request.
         req: RequestId,
     },
-    /// D → P: the D block ids P must write the request's KV into, in prompt order.
+    /// D → P: the D block ids P must write the request's KV into, in prompt order, starting at
+    /// the request's block `first` (D already holds blocks `0..first` from its prefix cache: P
+    /// sends only the suffix).
     BlockIds {
         /// The request.
         req: RequestId,
-        /// Destination block ids, one per block of the request.
+        /// Index of the request block that `blocks[0]` receives.
+        first: u32,
+        /// The ids are slots of D's landing pool, not KV-cache blocks (policy `land`).
+        landing: bool,
+        /// Destination block ids, one per block from `first` on.
         blocks: Vec<BlockId>,
     },
     /// P → D: layer `layer` of the request has been written completely into D's blocks.
@@ -114,6 +130,7 @@ impl Message {
             Message::Announce { req, .. }
             | Message::Started { req, .. }
             | Message::PrefillDone { req }
+            | Message::Queued { req }
             | Message::BlockIds { req, .. }
             | Message::LayerSent { req, .. }
             | Message::AllSent { req, .. }
@@ -127,6 +144,7 @@ impl Message {
             Message::Announce { .. } => T_ANNOUNCE,
             Message::Started { .. } => T_STARTED,
             Message::PrefillDone { .. } => T_PREFILL_DONE,
+            Message::Queued { .. } => T_QUEUED,
             Message::BlockIds { .. } => T_BLOCK_IDS,
             Message::LayerSent { .. } => T_LAYER_SENT,
             Message::AllSent { .. } => T_ALL_SENT,
@@ -186,9 +204,16 @@ impl Message {
                 put_u16(out, *layers);
                 put_u32(out, *blocks);
             }
-            Message::PrefillDone { req } => put_u64(out, req.0),
-            Message::BlockIds { req, blocks } => {
+            Message::PrefillDone { req } | Message::Queued { req } => put_u64(out, req.0),
+            Message::BlockIds {
+                req,
+                first,
+                landing,
+                blocks,
+            } => {
                 put_u64(out, req.0);
+                put_u32(out, *first);
+                out.push(u8::from(*landing));
                 // Length checked above against MAX_BLOCKS, which fits in u32.
                 put_u32(out, blocks.len() as u32);
                 for b in blocks {
@@ -297,14 +322,26 @@ impl Message {
                     req: RequestId(r.u64()?),
                 }
             }
+            T_QUEUED => {
+                fixed(8)?;
+                Message::Queued {
+                    req: RequestId(r.u64()?),
+                }
+            }
             T_BLOCK_IDS => {
-                if body_len < 12 {
+                if body_len < BLOCK_IDS_HEAD {
                     return Err(DecodeError::BadBodyLength {
                         kind,
                         len: body_len,
                     });
                 }
                 let req = RequestId(r.u64()?);
+                let first = r.u32()?;
+                let landing = match r.u8()? {
+                    0 => false,
+                    1 => true,
+                    v => return Err(DecodeError::BadFlag(v)),
+                };
                 let count = r.u32()? as usize;
                 if count > MAX_BLOCKS {
                     return Err(DecodeError::TooManyBlocks {
@@ -312,14 +349,19 @@ impl Message {
                         max: MAX_BLOCKS,
                     });
                 }
-                if body_len != 12 + 4 * count {
+                if body_len != BLOCK_IDS_HEAD + 4 * count {
                     return Err(DecodeError::CountMismatch { count, body_len });
                 }
                 let mut blocks = Vec::with_capacity(count);
                 for _ in 0..count {
                     blocks.push(r.u32()?);
                 }
-                Message::BlockIds { req, blocks }
+                Message::BlockIds {
+                    req,
+                    first,
+                    landing,
+                    blocks,
+                }
             }
             T_LAYER_SENT => {
                 fixed(18)?;
@@ -462,6 +504,9 @@ pub enum DecodeError {
     /// An unknown abort reason code.
     #[error("unknown abort reason {0}")]
     UnknownReason(u8),
+    /// A flag byte that is neither 0 nor 1.
+    #[error("bad flag byte {0}")]
+    BadFlag(u8),
     /// Bytes left after the frame where exactly one frame was expected.
     #[error("{extra} bytes after the frame")]
     TrailingBytes {

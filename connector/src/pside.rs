@@ -50,6 +50,9 @@ pub struct PConfig {
     pub tombstone_ttl: Nanos,
     /// Most requests known only from D's messages.
     pub max_early: usize,
+    /// Emit [`PAction::Destination`] as soon as D's block ids are known (for hosts that move
+    /// the data themselves, chunk by chunk, and report [`PEvent::TransferDone`] per layer).
+    pub announce_destination: bool,
 }
 
 impl PConfig {
@@ -70,6 +73,7 @@ impl PConfig {
             orphan_timeout: 30 * SEC,
             tombstone_ttl: 60 * SEC,
             max_early: 65_536,
+            announce_destination: false,
         }
     }
 }
@@ -77,6 +81,14 @@ impl PConfig {
 /// Something the host tells the P core.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub enum PEvent {
+    /// P's scheduler has the request queued for `peer` (not scheduled yet): D is told, so that it
+    /// waits for P's start as long as P is alive instead of timing out.
+    Queued {
+        /// The request.
+        req: RequestId,
+        /// The D instance that will decode it.
+        peer: PeerId,
+    },
     /// P scheduled the request's prefill; `blocks` are P's blocks holding its KV (per layer).
     Scheduled {
         /// The request.
@@ -153,7 +165,8 @@ pub enum PAction {
     },
     /// Write layer `layer` of the request from P's blocks `src` into D's blocks `dst`
     /// (block `i` → block `i`), then report [`PEvent::TransferDone`] or
-    /// [`PEvent::TransferFailed`]. Every transfer must be reported exactly once.
+    /// [`PEvent::TransferFailed`]. Every transfer must be reported exactly once. `src` is the
+    /// suffix of the request's blocks D asked for (D holds the others from its prefix cache).
     Transfer {
         /// The request.
         req: RequestId,
@@ -165,6 +178,24 @@ pub enum PAction {
         src: Arc<[BlockId]>,
         /// D's destination blocks.
         dst: Arc<[BlockId]>,
+        /// `dst` are slots of D's landing pool, not KV-cache blocks.
+        landing: bool,
+    },
+    /// D's block ids for the request are known (only with [`PConfig::announce_destination`]):
+    /// P's block `src[i]` goes to D's `dst[i]` in every layer.
+    Destination {
+        /// The request.
+        req: RequestId,
+        /// The D instance.
+        peer: PeerId,
+        /// Index of the request block `src[0]` is (blocks before it are not sent).
+        first: u32,
+        /// P's source blocks (the suffix D asked for).
+        src: Arc<[BlockId]>,
+        /// D's destination blocks.
+        dst: Arc<[BlockId]>,
+        /// `dst` are slots of D's landing pool.
+        landing: bool,
     },
     /// Cancel the request's transfers still in flight (each still gets reported).
     CancelTransfers {
@@ -264,7 +295,7 @@ struct PReq {
     peer: PeerId,
     state: PState,
     src: Arc<[BlockId]>,
-    dst: Option<Arc<[BlockId]>>,
+    dst: Option<Dst>,
     ready: LayerSet,
     issued: LayerSet,
     done: LayerSet,
@@ -279,6 +310,14 @@ struct PReq {
     /// Do not send D an Abort when the failure completes.
     silent: bool,
     rec: TimelineRecord,
+}
+
+/// Where D wants the request's KV: the suffix from request block `first`, into `blocks`.
+#[derive(Clone, Debug, PartialEq, Eq)]
+struct Dst {
+    first: u32,
+    landing: bool,
+    blocks: Arc<[BlockId]>,
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord)]
@@ -405,6 +444,11 @@ impl PSide {
                 self.transfer_settled(req, layer, Some(bytes), now)
             }
             PEvent::TransferFailed { req, layer } => self.transfer_settled(req, layer, None, now),
+            PEvent::Queued { req, peer } => {
+                self.touch_peer(peer, now);
+                self.send(peer, Message::Queued { req });
+                Ok(())
+            }
             PEvent::Abort { req } => {
                 match self.reqs.get(&req).map(|r| r.state) {
                     Some(PState::Active) => self.fail(req, FailReason::LocalAbort, true, now),
@@ -563,7 +607,8 @@ impl PSide {
         }
     }
 
-    fn set_destination(&mut self, req: RequestId, dst: Arc<[BlockId]>, now: Nanos) {
+    fn set_destination(&mut self, req: RequestId, dst: Dst, now: Nanos) {
+        let announce = self.cfg.announce_destination;
         let Some(r) = self.reqs.get_mut(&req) else {
             return;
         };
@@ -575,9 +620,23 @@ impl PSide {
             }
             return;
         }
-        if dst.len() != r.src.len() {
+        let first = dst.first as usize;
+        if first >= r.src.len() || dst.blocks.len() != r.src.len() - first {
             self.fail(req, FailReason::Protocol, true, now);
             return;
+        }
+        if first > 0 {
+            r.src = Arc::from(&r.src[first..]);
+        }
+        if announce {
+            self.actions.push_back(PAction::Destination {
+                req,
+                peer: r.peer,
+                first: dst.first,
+                src: r.src.clone(),
+                dst: dst.blocks.clone(),
+                landing: dst.landing,
+            });
         }
         r.dst = Some(dst);
         let go = match self.cfg.send_mode {
@@ -605,7 +664,12 @@ impl PSide {
         let Some(r) = self.reqs.get_mut(&req) else {
             return;
         };
-        let Some(dst) = r.dst.clone() else {
+        let Some(Dst {
+            blocks: dst,
+            landing,
+            ..
+        }) = r.dst.clone()
+        else {
             return;
         };
         if r.state != PState::Active || !r.issued.insert(layer) {
@@ -624,6 +688,7 @@ impl PSide {
             layer,
             src: r.src.clone(),
             dst,
+            landing,
         });
         if first_inflight {
             self.arm(req);
@@ -748,20 +813,30 @@ impl PSide {
             }
         }
         match msg {
-            Message::BlockIds { blocks, .. } => {
+            Message::BlockIds {
+                blocks,
+                first,
+                landing,
+                ..
+            } => {
+                let dst = Dst {
+                    first,
+                    landing,
+                    blocks: blocks.into(),
+                };
                 if self.tombs.contains(req) {
                     self.stats.late += 1;
                     return;
                 }
                 match self.reqs.get(&req).map(|r| r.state) {
-                    Some(PState::Active) => self.set_destination(req, blocks.into(), now),
+                    Some(PState::Active) => self.set_destination(req, dst, now),
                     Some(PState::Draining) => self.stats.late += 1,
                     Some(PState::Early) | None => {
                         if let Some(r) = self.early_entry(req, from, now) {
                             if r.dst.is_some() {
                                 self.stats.duplicate_messages += 1;
                             } else {
-                                r.dst = Some(blocks.into());
+                                r.dst = Some(dst);
                             }
                         }
                     }
@@ -793,6 +868,7 @@ impl PSide {
                 }
             },
             Message::Started { .. }
+            | Message::Queued { .. }
             | Message::PrefillDone { .. }
             | Message::LayerSent { .. }
             | Message::AllSent { .. }

@@ -234,7 +234,12 @@ impl PStepLoop {
         match stage {
             0 => {
                 let blocks: Vec<BlockId> = (0..BLOCKS_PER_REQ as u32).collect();
-                let msg = Message::BlockIds { req, blocks };
+                let msg = Message::BlockIds {
+                    req,
+                    first: 0,
+                    landing: false,
+                    blocks,
+                };
                 let _ = self.p.handle(PEvent::Message { from: D, msg }, now);
             }
             s if s <= 2 * l => {

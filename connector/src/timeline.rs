@@ -68,6 +68,9 @@ pub struct TimelineRecord {
     pub layers: u16,
     /// Blocks per layer.
     pub blocks: u32,
+    /// Of them, blocks D already held from its prefix cache (not moved).
+    #[serde(default)]
+    pub prefix_blocks: u32,
     /// Prompt tokens.
     pub tokens: u32,
     /// Transport label given by the host.
@@ -103,6 +106,7 @@ impl TimelineRecord {
             bytes: 0,
             layers: 0,
             blocks: 0,
+            prefix_blocks: 0,
             tokens: 0,
             transport: transport.to_string(),
             policy: None,

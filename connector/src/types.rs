@@ -36,11 +36,15 @@ pub enum Policy {
     Lazy,
     /// Reserve when P has finished prefill (fewest block-seconds, no overlap).
     Jit,
+    /// Land P's layers in a bounded landing pool as they arrive (from when P started) and
+    /// reserve KV blocks only once the request's KV is complete, then copy locally: jit's
+    /// block-seconds with layerwise overlap. Falls back to `lazy` when the pool is full.
+    Land,
 }
 
 impl Policy {
     /// All policies, in a fixed order.
-    pub const ALL: [Policy; 3] = [Policy::Eager, Policy::Lazy, Policy::Jit];
+    pub const ALL: [Policy; 4] = [Policy::Eager, Policy::Lazy, Policy::Jit, Policy::Land];
 
     /// Lower-case name, as written in the timeline.
     pub fn name(self) -> &'static str {
@@ -48,6 +52,7 @@ impl Policy {
             Policy::Eager => "eager",
             Policy::Lazy => "lazy",
             Policy::Jit => "jit",
+            Policy::Land => "land",
         }
     }
 }
@@ -55,7 +60,7 @@ impl Policy {
 impl std::str::FromStr for Policy {
     type Err = ParseError;
 
-    /// Parses `eager`, `lazy` or `jit`.
+    /// Parses `eager`, `lazy`, `jit` or `land`.
     fn from_str(s: &str) -> Result<Self, ParseError> {
         Policy::ALL
             .into_iter()

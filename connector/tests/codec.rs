@@ -38,8 +38,19 @@ fn message() -> impl Strategy<Value = Message> {
             }
         }),
         req.clone().prop_map(|req| Message::PrefillDone { req }),
-        (req.clone(), proptest::collection::vec(any::<u32>(), 0..300))
-            .prop_map(|(req, blocks)| Message::BlockIds { req, blocks }),
+        req.clone().prop_map(|req| Message::Queued { req }),
+        (
+            req.clone(),
+            any::<u32>(),
+            any::<bool>(),
+            proptest::collection::vec(any::<u32>(), 0..300)
+        )
+            .prop_map(|(req, first, landing, blocks)| Message::BlockIds {
+                req,
+                first,
+                landing,
+                blocks
+            }),
         (req.clone(), 0..MAX_LAYERS, any::<u64>())
             .prop_map(|(req, layer, bytes)| Message::LayerSent { req, layer, bytes }),
         (req.clone(), 0..=MAX_LAYERS, any::<u64>())
@@ -110,8 +121,8 @@ proptest! {
 
     #[test]
     fn oversized_block_counts_are_refused(count in (MAX_BLOCKS as u32 + 1)..=u32::MAX) {
-        let mut bytes = Message::BlockIds { req: RequestId(1), blocks: vec![] }.encode().unwrap();
-        bytes[HEADER_LEN + 8..HEADER_LEN + 12].copy_from_slice(&count.to_le_bytes());
+        let mut bytes = Message::BlockIds { req: RequestId(1), first: 0, landing: false, blocks: vec![] }.encode().unwrap();
+        bytes[HEADER_LEN + 13..HEADER_LEN + 17].copy_from_slice(&count.to_le_bytes());
         prop_assert_eq!(
             Message::decode(&bytes),
             Err(DecodeError::TooManyBlocks { count: count as usize, max: MAX_BLOCKS })
@@ -121,13 +132,13 @@ proptest! {
     #[test]
     fn block_count_disagreeing_with_length_is_refused(n in 0usize..64, claim in 0u32..1000) {
         prop_assume!(claim as usize != n);
-        let mut bytes = Message::BlockIds { req: RequestId(1), blocks: vec![7; n] }
+        let mut bytes = Message::BlockIds { req: RequestId(1), first: 0, landing: false, blocks: vec![7; n] }
             .encode()
             .unwrap();
-        bytes[HEADER_LEN + 8..HEADER_LEN + 12].copy_from_slice(&claim.to_le_bytes());
+        bytes[HEADER_LEN + 13..HEADER_LEN + 17].copy_from_slice(&claim.to_le_bytes());
         prop_assert_eq!(
             Message::decode(&bytes),
-            Err(DecodeError::CountMismatch { count: claim as usize, body_len: 12 + 4 * n })
+            Err(DecodeError::CountMismatch { count: claim as usize, body_len: 17 + 4 * n })
         );
     }
 
@@ -197,6 +208,8 @@ fn header_errors_are_typed() {
 fn encoder_refuses_what_the_decoder_would() {
     let too_many = Message::BlockIds {
         req: RequestId(1),
+        first: 0,
+        landing: false,
         blocks: vec![0; MAX_BLOCKS + 1],
     };
     assert_eq!(
@@ -208,6 +221,8 @@ fn encoder_refuses_what_the_decoder_would() {
     );
     let max = Message::BlockIds {
         req: RequestId(1),
+        first: 0,
+        landing: false,
         blocks: vec![3; MAX_BLOCKS],
     };
     let bytes = max.encode().unwrap();

@@ -39,6 +39,8 @@ fn peer_msg(k: u8, req: RequestId, l: u16, n: u32) -> Message {
         2 => Message::PrefillDone { req },
         3 => Message::BlockIds {
             req,
+            first: 0,
+            landing: false,
             blocks: (0..n).collect(),
         },
         4 => Message::LayerSent {

@@ -162,7 +162,7 @@ fn d_metrics_after_a_known_sequence() {
     let g = d.gauges(110 * MS);
     assert_eq!(
         g.by_state(),
-        [1, 0, 0, 0, 0, 0, 0],
+        [1, 0, 0, 0, 0, 0, 0, 0],
         "only the early r7 is left"
     );
     assert_eq!((g.held_blocks, g.held_block_ns), (0, 0));
@@ -183,6 +183,8 @@ fn p_metrics_after_a_known_sequence() {
     let ids = |p: &mut PSide, req: u64, blocks: Vec<u32>, now| {
         let msg = Message::BlockIds {
             req: RequestId(req),
+            first: 0,
+            landing: false,
             blocks,
         };
         p.handle(PEvent::Message { from: D, msg }, now).unwrap();

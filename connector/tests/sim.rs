@@ -120,6 +120,16 @@ fn faulty_jit_whole() {
 }
 
 #[test]
+fn faulty_land_layerwise() {
+    faulty_cell(Policy::Land, SendMode::Layerwise);
+}
+
+#[test]
+fn faulty_land_whole() {
+    faulty_cell(Policy::Land, SendMode::Whole);
+}
+
+#[test]
 fn same_seed_same_timeline_other_seed_differs() {
     let a = sim::run(SimConfig::faulty(
         5,
@@ -171,6 +181,47 @@ fn lazy_and_jit_hold_far_fewer_block_seconds_than_eager_under_p_queueing() {
     // P's queue is the same in all three runs (the arrival stream does not depend on policy).
     let wait = |r: &SimReport| r.mean_ms(|d| d.wait_for_p);
     assert!((wait(&eager) - wait(&lazy)).abs() < 1e-9);
+}
+
+#[test]
+fn land_holds_jits_block_seconds_with_lazys_overlap() {
+    let lazy = queueing(Policy::Lazy, SendMode::Layerwise);
+    let jit = queueing(Policy::Jit, SendMode::Layerwise);
+    let land = queueing(Policy::Land, SendMode::Layerwise);
+    let bs = |r: &SimReport| r.d_block_seconds_waiting;
+    let exposed = |r: &SimReport| r.mean_ms(|d| d.exposed_transfer);
+    eprintln!(
+        "block-seconds: lazy {:.1} jit {:.1} land {:.1}; exposed ms: lazy {:.2} jit {:.2} land {:.2}",
+        bs(&lazy),
+        bs(&jit),
+        bs(&land),
+        exposed(&lazy),
+        exposed(&jit),
+        exposed(&land)
+    );
+    // KV blocks are reserved only once the KV is complete: fewer block-seconds than jit
+    // (which reserves when P's prefill is done, then waits for the whole transfer) ...
+    assert!(
+        bs(&land) < bs(&jit),
+        "land {} vs jit {}",
+        bs(&land),
+        bs(&jit)
+    );
+    // ... while the transfer overlaps P's prefill as with lazy.
+    assert!(exposed(&land) < 0.5 * exposed(&jit));
+    assert_eq!(land.d_stats.failed, 0);
+}
+
+#[test]
+fn land_falls_back_to_lazy_when_the_landing_pool_is_full() {
+    let mut cfg = SimConfig::queueing(3, Policy::Land, SendMode::Layerwise, 500);
+    // Room for one prompt (64 blocks) at a time, with two P engines prefilling.
+    cfg.land_pool_blocks = 100;
+    let r = sim::run(cfg);
+    assert_clean("land, small pool", &r, 500);
+    assert_eq!(r.failed, 0);
+    assert!(r.d_land_fallbacks > 0, "the small pool must overflow");
+    assert!(r.d_landings > 0, "and still take some requests");
 }
 
 #[test]

@@ -3,42 +3,24 @@
 //! (`time.monotonic_ns()`), drains actions with `poll_actions()`, and carries them out (sends
 //! the encoded messages over kvwire, tells vLLM what finished or failed).
 //!
-//! Actions are tuples whose first item names them:
-//! * D: `("send", peer, bytes)`, `("may_reserve", req, blocks)`, `("release", req, [blocks])`,
-//!   `("finished", req)`, `("failed", req, [blocks], reason)`, `("disconnect", peer)`;
-//! * P: `("send", peer, bytes)`, `("transfer", req, peer, layer, [src], [dst])`,
-//!   `("cancel", req)`, `("release", req, [blocks])`, `("finished", req)`,
-//!   `("failed", req, reason)`, `("disconnect", peer)`.
+//! Actions are typed objects ([`crate::core_actions`], `kvwire.core`): D `Send`, `MayReserve`,
+//! `MayLand`, `ReleaseBlocks`, `ReleaseLanding`, `ReportFinished`, `ReportFailed`,
+//! `DisconnectPeer`; P `Send`, `Transfer`, `Destination`, `CancelTransfers`, `ReleaseBlocks`,
+//! `ReportFinished`, `ReportFailed`, `DisconnectPeer`.
 //!
+//! Every timeout of the cores' configurations can be set (keyword arguments, in seconds).
 //! Refused events raise `kvwire.ConnectorError` and change nothing.
 
 use kvwire_connector::{
-    DAction, DConfig, DEvent, DSide, Message, PAction, PConfig, PEvent, PSide, PeerId, Policy,
-    RequestId, SendMode,
+    DConfig, DEvent, DSide, PConfig, PEvent, PSide, PeerId, Policy, RequestId, SendMode,
 };
 use pyo3::prelude::*;
-use pyo3::types::{PyBytes, PyDict, PyTuple};
+use pyo3::types::PyDict;
 
+use crate::core_actions::{d_action, p_action};
 use crate::errors::{invalid, ConnectorError};
 
-fn encode(py: Python<'_>, m: &Message) -> PyResult<Py<PyAny>> {
-    let b = m
-        .encode()
-        .map_err(|e| ConnectorError::new_err(format!("cannot encode message: {e}")))?;
-    Ok(PyBytes::new(py, &b).into_any().unbind())
-}
-
-fn tuple<'py>(py: Python<'py>, items: Vec<Bound<'py, PyAny>>) -> PyResult<Py<PyAny>> {
-    Ok(PyTuple::new(py, items)?.into_any().unbind())
-}
-
-macro_rules! obj {
-    ($py:expr, $v:expr) => {
-        $v.into_pyobject($py)?.into_any()
-    };
-}
-
-/// Applies the timeouts given as keyword seconds to a config field.
+/// Seconds (a keyword argument) as nanoseconds.
 fn secs_to_ns(s: f64) -> PyResult<u64> {
     if !(s.is_finite() && s >= 0.0) {
         return Err(invalid(format!("timeout must be >= 0 seconds, got {s}")));
@@ -46,7 +28,7 @@ fn secs_to_ns(s: f64) -> PyResult<u64> {
     Ok((s * 1e9) as u64)
 }
 
-/// Decode-side core: when to reserve (policy `eager`, `lazy`, `jit`), block ids to P, layers
+/// Decode-side core: when to reserve (policy `eager`, `lazy`, `jit`, `land`), block ids to P, layers
 /// landing, finished/failed reports, reservations released exactly once.
 #[pyclass(module = "kvwire", name = "DCore")]
 pub struct DCore {
@@ -63,44 +45,49 @@ impl DCore {
 
 #[pymethods]
 impl DCore {
-    /// `DCore(policy="lazy", layers, transport="tcp", incarnation=1, peer_timeout=None,
-    /// wait_for_p_timeout=None, request_timeout=None, drain_timeout=None)` (timeouts in s).
+    /// `DCore(policy, layers, transport="tcp", incarnation=1, *, heartbeat_interval=None,
+    /// peer_timeout=None, wait_for_p_timeout=None, request_timeout=None, drain_timeout=None,
+    /// orphan_timeout=None, tombstone_ttl=None)`: policy `eager`, `lazy`, `jit` or `land`;
+    /// timeouts in seconds (None: the core's default).
     #[new]
-    #[pyo3(signature = (policy, layers, transport="tcp", incarnation=1, peer_timeout=None, wait_for_p_timeout=None, request_timeout=None, drain_timeout=None))]
+    #[pyo3(signature = (policy, layers, transport="tcp", incarnation=1, *, heartbeat_interval=None, peer_timeout=None, wait_for_p_timeout=None, request_timeout=None, drain_timeout=None, orphan_timeout=None, tombstone_ttl=None))]
     #[allow(clippy::too_many_arguments)]
     fn new(
         policy: &str,
         layers: u16,
         transport: &str,
         incarnation: u64,
+        heartbeat_interval: Option<f64>,
         peer_timeout: Option<f64>,
         wait_for_p_timeout: Option<f64>,
         request_timeout: Option<f64>,
         drain_timeout: Option<f64>,
+        orphan_timeout: Option<f64>,
+        tombstone_ttl: Option<f64>,
     ) -> PyResult<Self> {
-        let policy = match policy {
-            "eager" => Policy::Eager,
-            "lazy" => Policy::Lazy,
-            "jit" => Policy::Jit,
-            p => return Err(invalid(format!("unknown policy {p:?} (eager, lazy, jit)"))),
-        };
+        let policy: Policy = policy.parse().map_err(|_| {
+            invalid(format!(
+                "unknown policy {policy:?} (eager, lazy, jit, land)"
+            ))
+        })?;
         if layers == 0 {
             return Err(invalid("layers must be >= 1"));
         }
         let mut cfg = DConfig::new(policy, layers);
         cfg.transport = transport.to_string();
         cfg.incarnation = incarnation;
-        if let Some(s) = peer_timeout {
-            cfg.peer_timeout = secs_to_ns(s)?;
-        }
-        if let Some(s) = wait_for_p_timeout {
-            cfg.wait_for_p_timeout = secs_to_ns(s)?;
-        }
-        if let Some(s) = request_timeout {
-            cfg.request_timeout = secs_to_ns(s)?;
-        }
-        if let Some(s) = drain_timeout {
-            cfg.drain_timeout = secs_to_ns(s)?;
+        for (v, field) in [
+            (heartbeat_interval, &mut cfg.heartbeat_interval),
+            (peer_timeout, &mut cfg.peer_timeout),
+            (wait_for_p_timeout, &mut cfg.wait_for_p_timeout),
+            (request_timeout, &mut cfg.request_timeout),
+            (drain_timeout, &mut cfg.drain_timeout),
+            (orphan_timeout, &mut cfg.orphan_timeout),
+            (tombstone_ttl, &mut cfg.tombstone_ttl),
+        ] {
+            if let Some(s) = v {
+                *field = secs_to_ns(s)?;
+            }
         }
         Ok(DCore {
             core: DSide::new(cfg),
@@ -123,6 +110,36 @@ impl DCore {
             DEvent::Reserved {
                 req: RequestId(req),
                 blocks,
+            },
+            now,
+        )
+    }
+    /// D already holds the request's first `blocks` blocks (prefix-cache hit): the
+    /// reservation and what P sends cover the others. Before `reserved`/`landing`.
+    fn prefix_hit(&mut self, req: u64, blocks: u32, now: u64) -> PyResult<()> {
+        self.ev(
+            DEvent::PrefixHit {
+                req: RequestId(req),
+                blocks,
+            },
+            now,
+        )
+    }
+    /// Policy `land`: the request took these landing-pool slots (after `MayLand`).
+    fn landing(&mut self, req: u64, slots: Vec<u32>, now: u64) -> PyResult<()> {
+        self.ev(
+            DEvent::Landing {
+                req: RequestId(req),
+                slots,
+            },
+            now,
+        )
+    }
+    /// Policy `land`: the landing pool cannot take the request; it goes `lazy`.
+    fn land_fallback(&mut self, req: u64, now: u64) -> PyResult<()> {
+        self.ev(
+            DEvent::LandFallback {
+                req: RequestId(req),
             },
             now,
         )
@@ -209,49 +226,11 @@ impl DCore {
     fn live_requests(&self) -> usize {
         self.core.live_requests()
     }
-    /// Drains the pending actions.
+    /// Drains the pending actions (objects of `kvwire.core`).
     fn poll_actions(&mut self, py: Python<'_>) -> PyResult<Vec<Py<PyAny>>> {
-        let mut out = Vec::new();
-        while let Some(a) = self.core.poll_action() {
-            out.push(match a {
-                DAction::Send { to, msg } => tuple(
-                    py,
-                    vec![
-                        obj!(py, "send"),
-                        obj!(py, to.0),
-                        encode(py, &msg)?.into_bound(py),
-                    ],
-                )?,
-                DAction::MayReserve { req, blocks } => tuple(
-                    py,
-                    vec![obj!(py, "may_reserve"), obj!(py, req.0), obj!(py, blocks)],
-                )?,
-                DAction::ReleaseBlocks { req, blocks } => tuple(
-                    py,
-                    vec![obj!(py, "release"), obj!(py, req.0), obj!(py, blocks)],
-                )?,
-                DAction::ReportFinished { req } => {
-                    tuple(py, vec![obj!(py, "finished"), obj!(py, req.0)])?
-                }
-                DAction::ReportFailed {
-                    req,
-                    blocks,
-                    reason,
-                } => tuple(
-                    py,
-                    vec![
-                        obj!(py, "failed"),
-                        obj!(py, req.0),
-                        obj!(py, blocks),
-                        obj!(py, kvwire_connector::metrics::fail_reason_name(reason)),
-                    ],
-                )?,
-                DAction::DisconnectPeer { peer } => {
-                    tuple(py, vec![obj!(py, "disconnect"), obj!(py, peer.0)])?
-                }
-            });
-        }
-        Ok(out)
+        std::iter::from_fn(|| self.core.poll_action())
+            .map(|a| d_action(py, a))
+            .collect()
     }
     /// Drains finished timeline records as JSON lines.
     fn poll_timeline(&mut self) -> Vec<String> {
@@ -283,53 +262,69 @@ impl PCore {
 
 #[pymethods]
 impl PCore {
-    /// `PCore(send_mode="whole"|"layerwise", layers, transport="tcp", incarnation=1,
-    /// peer_timeout=None, request_timeout=None, block_ids_timeout=None, drain_timeout=None)`.
+    /// `PCore(send_mode, layers, transport="tcp", incarnation=1, *, heartbeat_interval=None,
+    /// peer_timeout=None, request_timeout=None, block_ids_timeout=None, transfer_timeout=None,
+    /// drain_timeout=None, orphan_timeout=None, tombstone_ttl=None,
+    /// announce_destination=False)`: send mode `whole` or `layerwise`; timeouts in seconds.
     #[new]
-    #[pyo3(signature = (send_mode, layers, transport="tcp", incarnation=1, peer_timeout=None, request_timeout=None, block_ids_timeout=None, drain_timeout=None))]
+    #[pyo3(signature = (send_mode, layers, transport="tcp", incarnation=1, *, heartbeat_interval=None, peer_timeout=None, request_timeout=None, block_ids_timeout=None, transfer_timeout=None, drain_timeout=None, orphan_timeout=None, tombstone_ttl=None, announce_destination=false))]
     #[allow(clippy::too_many_arguments)]
     fn new(
         send_mode: &str,
         layers: u16,
         transport: &str,
         incarnation: u64,
+        heartbeat_interval: Option<f64>,
         peer_timeout: Option<f64>,
         request_timeout: Option<f64>,
         block_ids_timeout: Option<f64>,
+        transfer_timeout: Option<f64>,
         drain_timeout: Option<f64>,
+        orphan_timeout: Option<f64>,
+        tombstone_ttl: Option<f64>,
+        announce_destination: bool,
     ) -> PyResult<Self> {
-        let mode = match send_mode {
-            "whole" => SendMode::Whole,
-            "layerwise" => SendMode::Layerwise,
-            m => {
-                return Err(invalid(format!(
-                    "unknown send mode {m:?} (whole, layerwise)"
-                )))
-            }
-        };
+        let mode: SendMode = send_mode.parse().map_err(|_| {
+            invalid(format!(
+                "unknown send mode {send_mode:?} (whole, layerwise)"
+            ))
+        })?;
         if layers == 0 {
             return Err(invalid("layers must be >= 1"));
         }
         let mut cfg = PConfig::new(mode, layers);
         cfg.transport = transport.to_string();
         cfg.incarnation = incarnation;
-        if let Some(s) = peer_timeout {
-            cfg.peer_timeout = secs_to_ns(s)?;
-        }
-        if let Some(s) = request_timeout {
-            cfg.request_timeout = secs_to_ns(s)?;
-        }
-        if let Some(s) = block_ids_timeout {
-            cfg.block_ids_timeout = secs_to_ns(s)?;
-        }
-        if let Some(s) = drain_timeout {
-            cfg.drain_timeout = secs_to_ns(s)?;
+        cfg.announce_destination = announce_destination;
+        for (v, field) in [
+            (heartbeat_interval, &mut cfg.heartbeat_interval),
+            (peer_timeout, &mut cfg.peer_timeout),
+            (request_timeout, &mut cfg.request_timeout),
+            (block_ids_timeout, &mut cfg.block_ids_timeout),
+            (transfer_timeout, &mut cfg.transfer_timeout),
+            (drain_timeout, &mut cfg.drain_timeout),
+            (orphan_timeout, &mut cfg.orphan_timeout),
+            (tombstone_ttl, &mut cfg.tombstone_ttl),
+        ] {
+            if let Some(s) = v {
+                *field = secs_to_ns(s)?;
+            }
         }
         Ok(PCore {
             core: PSide::new(cfg),
         })
     }
 
+    /// P's scheduler has the request queued for D `peer` (D stops timing out its wait for P).
+    fn queued(&mut self, req: u64, peer: u32, now: u64) -> PyResult<()> {
+        self.ev(
+            PEvent::Queued {
+                req: RequestId(req),
+                peer: PeerId(peer),
+            },
+            now,
+        )
+    }
     /// P scheduled the request; `blocks` hold its KV, for D `peer`.
     fn scheduled(
         &mut self,
@@ -427,60 +422,11 @@ impl PCore {
     fn live_requests(&self) -> usize {
         self.core.live_requests()
     }
-    /// Drains the pending actions.
+    /// Drains the pending actions (objects of `kvwire.core`).
     fn poll_actions(&mut self, py: Python<'_>) -> PyResult<Vec<Py<PyAny>>> {
-        let mut out = Vec::new();
-        while let Some(a) = self.core.poll_action() {
-            out.push(match a {
-                PAction::Send { to, msg } => tuple(
-                    py,
-                    vec![
-                        obj!(py, "send"),
-                        obj!(py, to.0),
-                        encode(py, &msg)?.into_bound(py),
-                    ],
-                )?,
-                PAction::Transfer {
-                    req,
-                    peer,
-                    layer,
-                    src,
-                    dst,
-                } => tuple(
-                    py,
-                    vec![
-                        obj!(py, "transfer"),
-                        obj!(py, req.0),
-                        obj!(py, peer.0),
-                        obj!(py, layer),
-                        obj!(py, src.to_vec()),
-                        obj!(py, dst.to_vec()),
-                    ],
-                )?,
-                PAction::CancelTransfers { req } => {
-                    tuple(py, vec![obj!(py, "cancel"), obj!(py, req.0)])?
-                }
-                PAction::ReleaseBlocks { req, blocks } => tuple(
-                    py,
-                    vec![obj!(py, "release"), obj!(py, req.0), obj!(py, blocks)],
-                )?,
-                PAction::ReportFinished { req } => {
-                    tuple(py, vec![obj!(py, "finished"), obj!(py, req.0)])?
-                }
-                PAction::ReportFailed { req, reason } => tuple(
-                    py,
-                    vec![
-                        obj!(py, "failed"),
-                        obj!(py, req.0),
-                        obj!(py, kvwire_connector::metrics::fail_reason_name(reason)),
-                    ],
-                )?,
-                PAction::DisconnectPeer { peer } => {
-                    tuple(py, vec![obj!(py, "disconnect"), obj!(py, peer.0)])?
-                }
-            });
-        }
-        Ok(out)
+        std::iter::from_fn(|| self.core.poll_action())
+            .map(|a| p_action(py, a))
+            .collect()
     }
     /// Drains finished timeline records as JSON lines.
     fn poll_timeline(&mut self) -> Vec<String> {

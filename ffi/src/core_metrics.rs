@@ -39,11 +39,14 @@ pub fn d_dict<'py>(py: Python<'py>, m: &DMetrics, g: &DGauges) -> PyResult<Bound
         ("releases", m.releases),
         ("released_blocks", m.released_blocks),
         ("completed", m.completed),
+        ("landings", m.landings),
+        ("land_fallbacks", m.land_fallbacks),
         ("promoted", m.promoted),
         ("first_tokens", m.first_tokens),
         ("aborted", m.aborted()),
         ("bytes_received", m.bytes_received),
         ("held_blocks", g.held_blocks),
+        ("landing_slots", g.landing_slots),
     ] {
         d.set_item(k, v)?;
     }

@@ -10,6 +10,7 @@
 //! release the GIL.
 
 pub mod core;
+pub mod core_actions;
 pub mod core_metrics;
 pub mod cuda;
 pub mod engine;
@@ -34,6 +35,7 @@ fn _kvwire(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<mooncake::TransferEngine>()?;
     layer::register(m)?;
     core::register(m)?;
+    core_actions::register(m)?;
     m.add("__version__", env!("CARGO_PKG_VERSION"))?;
     Ok(())
 }

@@ -306,7 +306,11 @@ impl Checker {
             Some(ended) if !*ended => *ended = true,
             _ => self.violations.push(Violation::EndedTwice { role, req }),
         }
-        self.landed.remove(&req);
+        // What landed on D is D's to forget (P may end first: a `land` request is reported
+        // finished only once D reserved its KV blocks).
+        if role == Role::D {
+            self.landed.remove(&req);
+        }
     }
 
     /// Marks every block of `pool` free without checks (the process owning it died).

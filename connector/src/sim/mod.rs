@@ -113,6 +113,8 @@ pub struct SimConfig {
     pub p_pool_blocks: u32,
     /// Blocks in the D pool.
     pub d_pool_blocks: u32,
+    /// Slots in D's landing pool (policy `land`).
+    pub land_pool_blocks: u32,
     /// Fixed cost of a P step.
     pub p_step_overhead: Nanos,
     /// P prefill cost per uncached token.
@@ -199,6 +201,7 @@ impl SimConfig {
             kv_bytes_per_token: 96 * 1024,
             p_pool_blocks: 4_096,
             d_pool_blocks: 8_192,
+            land_pool_blocks: 4_096,
             p_step_overhead: 5 * MS,
             p_ns_per_token: 20_000,
             p_token_budget: 16_384,
@@ -286,6 +289,10 @@ pub struct SimReport {
     pub d_stats: DStats,
     /// P core counters summed over engines and lives.
     pub p_stats: PStats,
+    /// `land` requests that took landing slots.
+    pub d_landings: u64,
+    /// `land` requests that fell back to `lazy` (landing pool full).
+    pub d_land_fallbacks: u64,
 }
 
 impl SimReport {
@@ -417,6 +424,8 @@ struct Landing {
     bytes: u64,
     src: Arc<[BlockId]>,
     dst: Arc<[BlockId]>,
+    /// `dst` are landing-pool slots.
+    landing: bool,
 }
 
 struct Pool {
@@ -457,6 +466,8 @@ struct ReqSpec {
     decode_tokens: u32,
     d_phase: DPhase,
     d_blocks: Vec<BlockId>,
+    /// Landing-pool slots held (`land`).
+    d_landing: Vec<BlockId>,
 }
 
 struct PEngine {
@@ -479,6 +490,7 @@ struct PEngine {
 struct DEngine {
     core: DSide,
     pool: Pool,
+    land_pool: Pool,
     reservable: VecDeque<RequestId>,
     to_report: Vec<RequestId>,
     /// Reported requests and the steps they still wait before promotion.
@@ -559,6 +571,8 @@ impl Sim {
         };
         let mut pool_sizes = vec![cfg.d_pool_blocks];
         pool_sizes.extend(std::iter::repeat_n(cfg.p_pool_blocks, cfg.n_p));
+        // The landing pool is the checker's last pool.
+        pool_sizes.push(cfg.land_pool_blocks);
         let ps = (0..cfg.n_p)
             .map(|_| PEngine {
                 core: PSide::new(cfg.p_cfg.clone()),
@@ -579,6 +593,7 @@ impl Sim {
         let d = DEngine {
             core: DSide::new(cfg.d_cfg.clone()),
             pool: Pool::new(cfg.d_pool_blocks),
+            land_pool: Pool::new(cfg.land_pool_blocks),
             reservable: VecDeque::new(),
             to_report: Vec::new(),
             to_promote: Vec::new(),
@@ -667,6 +682,14 @@ impl Sim {
                 self.check.held(0),
                 self.d.pool.free.len(),
                 self.cfg.d_pool_blocks
+            )));
+        }
+        let land = self.land_pool_index();
+        if self.check.held(land) + self.d.land_pool.free.len() != self.cfg.land_pool_blocks as usize
+        {
+            self.check.report(Violation::Host(format!(
+                "t={} D landing pool count mismatch",
+                self.now
             )));
         }
         for p in 0..self.ps.len() {
@@ -938,6 +961,7 @@ impl Sim {
             decode_tokens,
             d_phase: DPhase::NotYet,
             d_blocks: Vec::new(),
+            d_landing: Vec::new(),
         });
         // The proxy dispatches to P and D concurrently.
         let life = self.ps[p].life;
@@ -1051,6 +1075,7 @@ impl Sim {
                 let about = match &a {
                     PAction::Send { msg, .. } => msg.request() == self.cfg.trace,
                     PAction::Transfer { req, .. }
+                    | PAction::Destination { req, .. }
                     | PAction::CancelTransfers { req }
                     | PAction::ReleaseBlocks { req, .. }
                     | PAction::ReportFinished { req }
@@ -1068,9 +1093,10 @@ impl Sim {
                     layer,
                     src,
                     dst,
+                    landing,
                     ..
-                } => self.start_transfer(p, req.0, layer, src, dst),
-                PAction::CancelTransfers { .. } => {}
+                } => self.start_transfer(p, req.0, layer, src, dst, landing),
+                PAction::CancelTransfers { .. } | PAction::Destination { .. } => {}
                 PAction::ReleaseBlocks { req, blocks } => {
                     let e = &mut self.ps[p];
                     match e.blocks_of.remove(&req.0) {
@@ -1130,6 +1156,7 @@ impl Sim {
         layer: u16,
         src: Arc<[BlockId]>,
         dst: Arc<[BlockId]>,
+        landing: bool,
     ) {
         let now = self.now;
         let spec = &self.reqs[req as usize];
@@ -1189,6 +1216,7 @@ impl Sim {
                 bytes,
                 src,
                 dst,
+                landing,
             })),
         );
         self.at(
@@ -1203,6 +1231,11 @@ impl Sim {
                 ok: true,
             },
         );
+    }
+
+    /// The checker's pool index of D's landing pool (after D's and every P's).
+    fn land_pool_index(&self) -> usize {
+        self.cfg.n_p + 1
     }
 
     fn cut_link(&mut self, p: usize) {
@@ -1221,8 +1254,9 @@ impl Sim {
         // The NIC has read P's blocks and written D's: both must still be held for `req`.
         self.check
             .touch(l.p + 1, req, l.layer, self.cfg.layers, &l.src, false);
+        let pool = if l.landing { self.land_pool_index() } else { 0 };
         self.check
-            .touch(0, req, l.layer, self.cfg.layers, &l.dst, true);
+            .touch(pool, req, l.layer, self.cfg.layers, &l.dst, true);
         let r = self.d.core.handle(
             DEvent::LayerLanded {
                 req,
@@ -1410,6 +1444,8 @@ impl Sim {
                 let about = match &a {
                     DAction::Send { msg, .. } => msg.request() == self.cfg.trace,
                     DAction::MayReserve { req, .. }
+                    | DAction::MayLand { req, .. }
+                    | DAction::ReleaseLanding { req, .. }
                     | DAction::ReleaseBlocks { req, .. }
                     | DAction::ReportFinished { req }
                     | DAction::ReportFailed { req, .. } => self.traced(req.0),
@@ -1437,6 +1473,32 @@ impl Sim {
                     self.d.reservable.push_back(req);
                     kick = true;
                 }
+                DAction::MayLand { req, blocks } => {
+                    // The landing pool is host memory apart from the KV cache: taken at once,
+                    // or the request falls back to lazy.
+                    let ev = match self.d.land_pool.alloc(blocks as usize) {
+                        Some(slots) => {
+                            let pool = self.land_pool_index();
+                            self.check.reserve(pool, req, &slots);
+                            self.reqs[req.0 as usize].d_landing = slots.clone();
+                            DEvent::Landing { req, slots }
+                        }
+                        None => DEvent::LandFallback { req },
+                    };
+                    let r = self.d.core.handle(ev, now);
+                    self.host_result(r.map_err(|e| e.to_string()));
+                }
+                DAction::ReleaseLanding { req, slots } => {
+                    let spec = &mut self.reqs[req.0 as usize];
+                    if std::mem::take(&mut spec.d_landing) != slots {
+                        self.check.report(Violation::Host(format!(
+                            "D release of landing slots not taken for {req:?}"
+                        )));
+                    }
+                    let pool = self.land_pool_index();
+                    self.check.release(pool, req, &slots);
+                    self.d.land_pool.release(&slots);
+                }
                 DAction::ReleaseBlocks { req, blocks } => {
                     if self.bug_freed.remove(&req).is_some() {
                         // Already (wrongly) freed by the injected bug.
@@ -1454,6 +1516,14 @@ impl Sim {
                 }
                 DAction::ReportFinished { req } => {
                     self.check.report_finished(req, self.cfg.layers);
+                    // `land`: the host copies the landing slots into the reserved blocks (at
+                    // once here) and frees them.
+                    let slots = std::mem::take(&mut self.reqs[req.0 as usize].d_landing);
+                    if !slots.is_empty() {
+                        let pool = self.land_pool_index();
+                        self.check.release(pool, req, &slots);
+                        self.d.land_pool.release(&slots);
+                    }
                     self.d.to_report.push(req);
                     kick = true;
                 }
@@ -1570,6 +1640,8 @@ impl Sim {
             p_crashes: self.p_crashes,
             d_stats: self.d.core.stats().clone(),
             p_stats: self.p_stats,
+            d_landings: self.d.core.metrics().landings,
+            d_land_fallbacks: self.d.core.metrics().land_fallbacks,
         }
     }
 }

@@ -585,6 +585,7 @@ impl Cell<'_> {
                     dst,
                     ..
                 } => self.transfer(req.0, layer, src, dst)?,
+                PAction::Destination { .. } => {}
                 PAction::ReleaseBlocks { req, blocks } => {
                     let st = &mut self.st[req.0 as usize];
                     if st.p_blocks != blocks {
@@ -920,6 +921,17 @@ impl Cell<'_> {
                 DAction::MayReserve { req, .. } => {
                     self.reservable.push_back(req);
                     kick = true;
+                }
+                // No landing pool in the clock's data path yet: `land` runs as its fallback.
+                DAction::MayLand { req, .. } => {
+                    self.d
+                        .handle(DEvent::LandFallback { req }, self.now)
+                        .map_err(d_err)?;
+                }
+                DAction::ReleaseLanding { req, .. } => {
+                    return Err(ClockError::Protocol(format!(
+                        "request {req:?}: landing slots released, none were given"
+                    )))
                 }
                 DAction::ReportFinished { req } => {
                     self.to_report.push(req);
