@@ -65,23 +65,6 @@ impl Access {
     pub fn offered(self) -> bool {
         !matches!(self, Access::Local)
     }
-    pub(crate) fn to_wire(self) -> u8 {
-        match self {
-            Access::ReadWrite => 0,
-            Access::WriteOnly => 1,
-            Access::ReadOnly => 2,
-            Access::Local => 3,
-        }
-    }
-    pub(crate) fn from_wire(b: u8) -> Option<Access> {
-        Some(match b {
-            0 => Access::ReadWrite,
-            1 => Access::WriteOnly,
-            2 => Access::ReadOnly,
-            3 => Access::Local,
-            _ => return None,
-        })
-    }
 }
 
 /// A region a remote peer offers to us.
