@@ -30,7 +30,8 @@ use crate::transport::{
     TcpTransport, Transport, Xfer,
 };
 use crate::wire::{
-    self, CtrlMsg, HostIdentity, WireRegion, TRANSPORT_RDMA, TRANSPORT_SHM, TRANSPORT_TCP,
+    self, CtrlMsg, HostIdentity, Layout, ProtocolError, Stage, WireRegion, TRANSPORT_RDMA,
+    TRANSPORT_SHM, TRANSPORT_TCP,
 };
 use crate::Op;
 
@@ -76,10 +77,11 @@ fn engine_msg(op: u8, kind: u8, id: u64) -> CtrlMsg {
 
 fn parse_engine_msg(d: &[u8]) -> Result<(u8, u8, u64), Error> {
     if d.len() != 10 {
-        return Err(Error::Protocol(format!(
-            "engine control message of {} bytes",
-            d.len()
-        )));
+        return Err(ProtocolError::BadLength {
+            at: Layout::EngineMsg,
+            len: d.len(),
+        }
+        .into());
     }
     let mut id = [0u8; 8];
     id.copy_from_slice(&d[2..]);
@@ -1440,7 +1442,13 @@ fn initiator_handshake(
                 blobs,
             } => (nonce, mac, auth_required, host, transports, token, blobs),
             CtrlMsg::Reject { error } => return Err(wire::decode_error(&error, true)?),
-            m => return Err(Error::Protocol(format!("expected HelloReply, got {m:?}"))),
+            m => {
+                return Err(ProtocolError::Unexpected {
+                    stage: Stage::HelloReply,
+                    got: Some(Box::new(m)),
+                }
+                .into())
+            }
         };
     // Mutual proof: the responder must prove the secret when we hold one; we must prove it when
     // the responder requires it.
@@ -1481,7 +1489,13 @@ fn initiator_handshake(
     let regions = match wire::read_ctrl(s)? {
         CtrlMsg::Welcome { regions } => regions,
         CtrlMsg::Reject { error } => return Err(wire::decode_error(&error, true)?),
-        m => return Err(Error::Protocol(format!("expected Welcome, got {m:?}"))),
+        m => {
+            return Err(ProtocolError::Unexpected {
+                stage: Stage::Welcome,
+                got: Some(Box::new(m)),
+            }
+            .into())
+        }
     };
     Ok(Handshaken {
         kind,
@@ -1509,7 +1523,11 @@ fn responder_handshake(
         blobs: iblobs,
     } = hello
     else {
-        return Err(Error::Protocol("expected Hello".into()));
+        return Err(ProtocolError::Unexpected {
+            stage: Stage::Hello,
+            got: None,
+        }
+        .into());
     };
     let secret = core.cfg.secret.as_deref();
     let nonce_r: [u8; 32] = auth::random();
@@ -1545,7 +1563,13 @@ fn responder_handshake(
             regions,
         } => (mac, transport, token, regions),
         CtrlMsg::Reject { error } => return Err(wire::decode_error(&error, true)?),
-        m => return Err(Error::Protocol(format!("expected Auth, got {m:?}"))),
+        m => {
+            return Err(ProtocolError::Unexpected {
+                stage: Stage::Auth,
+                got: Some(Box::new(m)),
+            }
+            .into())
+        }
     };
     if let Some(k) = secret {
         if !auth::verify_initiator(k, &nonce_i, &nonce_r, &mac_i) {
@@ -1555,7 +1579,7 @@ fn responder_handshake(
     }
     // The initiator's choice is for its direction; ours is made the same way for ours.
     if transport == TRANSPORT_SHM && !core.host.same_host(&ihost) {
-        let e = Error::Protocol("shm chosen across hosts".into());
+        let e = Error::from(ProtocolError::ShmAcrossHosts);
         send_reject(s, &e);
         return Err(e);
     }
@@ -1637,7 +1661,11 @@ fn handle_conn(core: Arc<Core>, mut s: TcpStream, addr: SocketAddr) {
                 None => Err(Error::AuthFailed),
             }
         }
-        Ok(m) => Err(Error::Protocol(format!("unexpected first message {m:?}"))),
+        Ok(m) => Err(ProtocolError::Unexpected {
+            stage: Stage::FirstMessage,
+            got: Some(Box::new(m)),
+        }
+        .into()),
     };
     core.handshakes.fetch_sub(1, Ordering::AcqRel);
     match r {
@@ -1738,9 +1766,7 @@ fn ctrl_loop(core: Weak<Core>, p: Arc<PeerInner>, mut s: TcpStream) {
                     .find(|t| kind_bit(t.kind()) == bit);
                 let r = match t {
                     Some(t) => t.on_ctrl(&data),
-                    None => Err(Error::Protocol(format!(
-                        "transport message for {bit:#x}, which is not in use"
-                    ))),
+                    None => Err(ProtocolError::TransportNotInUse { bit }.into()),
                 };
                 if let Err(e) = r {
                     break format!("transport message: {e}");
@@ -1768,9 +1794,7 @@ fn on_engine_msg(core: &Weak<Core>, p: &Arc<PeerInner>, data: &[u8]) -> Result<(
                 }
                 Ok(())
             } else {
-                Err(Error::Protocol(format!(
-                    "notification confirmed for batch {id}, which awaits none"
-                )))
+                Err(ProtocolError::UnexpectedFenceAck { batch: id }.into())
             }
         }
         (FENCE_ACK, FENCE_REGIONS) => {
@@ -1779,8 +1803,6 @@ fn on_engine_msg(core: &Weak<Core>, p: &Arc<PeerInner>, data: &[u8]) -> Result<(
             }
             Ok(())
         }
-        _ => Err(Error::Protocol(format!(
-            "unknown engine control message {op}/{kind}"
-        ))),
+        _ => Err(ProtocolError::UnknownEngineMsg { op, kind }.into()),
     }
 }

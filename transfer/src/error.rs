@@ -1,6 +1,7 @@
 //! The engine's error type.
 
 use crate::region::RegionId;
+use crate::wire::ProtocolError;
 
 /// Everything that can go wrong in the engine, typed so callers can react.
 #[derive(Debug, thiserror::Error)]
@@ -11,7 +12,7 @@ pub enum Error {
     Io(#[from] std::io::Error),
     /// The peer sent something that does not follow the wire protocol.
     #[error("protocol error: {0}")]
-    Protocol(String),
+    Protocol(#[from] ProtocolError),
     /// The two engines speak different protocol versions.
     #[error("protocol version mismatch: ours {ours}, theirs {theirs}")]
     VersionMismatch {
@@ -61,13 +62,16 @@ pub enum Error {
     Unsupported(String),
 }
 
+// Typing protocol errors did not make every `Result` carrying an `Error` larger.
+const _: () = assert!(std::mem::size_of::<Error>() <= 40);
+
 impl Error {
     /// A copy of this error, for fanning one failure out to several waiters.
     /// (`std::io::Error` is not `Clone`; its kind and message are kept.)
     pub fn duplicate(&self) -> Error {
         match self {
             Error::Io(e) => Error::Io(std::io::Error::new(e.kind(), e.to_string())),
-            Error::Protocol(s) => Error::Protocol(s.clone()),
+            Error::Protocol(p) => Error::Protocol(p.clone()),
             Error::VersionMismatch { ours, theirs } => Error::VersionMismatch {
                 ours: *ours,
                 theirs: *theirs,

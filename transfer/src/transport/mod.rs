@@ -52,7 +52,7 @@ use crate::engine::PeerId;
 use crate::error::Error;
 use crate::notify::{Notification, NotifyQueue};
 use crate::region::{RegionEntry, RegionId, RegionTable};
-use crate::wire::WireRegion;
+use crate::wire::{ProtocolError, WireRegion};
 
 /// Direction of a batch.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -118,10 +118,7 @@ pub(crate) trait PeerTransport: Send + Sync {
     }
     /// A `CtrlMsg::Transport` message for this transport from the peer.
     fn on_ctrl(&self, _data: &[u8]) -> Result<(), Error> {
-        Err(Error::Protocol(format!(
-            "transport message for {:?}, which has none",
-            self.kind()
-        )))
+        Err(ProtocolError::NoTransportMessages { kind: self.kind() }.into())
     }
     /// Tear down (peer dead or engine shutdown).
     fn close(&self);
@@ -381,9 +378,7 @@ impl NotifyTracker {
 
     fn entry(m: &mut HashMap<u64, Track>, batch: u64) -> Result<&mut Track, Error> {
         if !m.contains_key(&batch) && m.len() >= MAX_TRACKED {
-            return Err(Error::Protocol(
-                "too many batches awaiting their notification".into(),
-            ));
+            return Err(ProtocolError::TooManyTracked.into());
         }
         Ok(m.entry(batch).or_default())
     }
@@ -407,9 +402,7 @@ impl NotifyTracker {
         let mut m = self.m.lock();
         let t = Self::entry(&mut m, batch)?;
         if t.expected.is_some() {
-            return Err(Error::Protocol(format!(
-                "second notification for batch {batch}"
-            )));
+            return Err(ProtocolError::DuplicateNotify { batch }.into());
         }
         t.expected = Some(slices);
         t.tag = Some(tag);

@@ -78,7 +78,7 @@ use crate::verbs::{
     self, ConnectParams, Context, Cq, Endpoint, GidSelection, LinkLayer, Mtu, Pd, Qp, QpCaps,
     RemoteSlice, SendOp, SendRequest, Sge, Verbs, VerbsError, WcStatus,
 };
-use crate::wire::{CtrlMsg, HostIdentity, TRANSPORT_RDMA};
+use crate::wire::{CtrlMsg, Field, HostIdentity, Layout, ProtocolError, TRANSPORT_RDMA};
 
 /// Environment variable naming the RDMA device(s) when the config does not (comma list).
 pub(crate) const DEVICE_ENV: &str = "KVWIRE_RDMA_DEVICE";
@@ -621,41 +621,67 @@ struct RemoteBlob {
     devs: Vec<RemoteDev>,
 }
 
-fn parse_blob(b: &[u8]) -> Result<RemoteBlob, Error> {
+fn parse_blob(b: &[u8]) -> Result<RemoteBlob, ProtocolError> {
     if b.len() < BLOB_HEAD {
-        return Err(Error::Protocol("rdma blob too short".into()));
+        return Err(ProtocolError::Truncated {
+            at: Layout::RdmaBlobHead,
+            need: BLOB_HEAD,
+            have: b.len(),
+        });
     }
     let mut nonce = [0u8; 16];
     nonce.copy_from_slice(&b[..16]);
     let n = b[16] as usize;
     if n == 0 || n > MAX_DEVICES {
-        return Err(Error::Protocol(format!("rdma blob: {n} devices")));
+        return Err(ProtocolError::BadCount {
+            at: Layout::RdmaBlobHead,
+            n,
+        });
     }
     let mut at = BLOB_HEAD;
     let mut devs = Vec::with_capacity(n);
     for _ in 0..n {
         let h = b
             .get(at..at + BLOB_DEV_HEAD)
-            .ok_or_else(|| Error::Protocol("rdma blob truncated".into()))?;
-        let mtu =
-            mtu_from_code(h[2]).ok_or_else(|| Error::Protocol("rdma blob: bad MTU".into()))?;
+            .ok_or(ProtocolError::Truncated {
+                at: Layout::RdmaBlobDevice,
+                need: at + BLOB_DEV_HEAD,
+                have: b.len(),
+            })?;
+        let mtu = mtu_from_code(h[2]).ok_or(ProtocolError::BadValue {
+            field: Field::Mtu,
+            value: h[2],
+        })?;
         let link = h[3];
         if !matches!(link, LINK_ETH_V4 | LINK_ETH_V6 | LINK_IB) {
-            return Err(Error::Protocol("rdma blob: bad link class".into()));
+            return Err(ProtocolError::BadValue {
+                field: Field::LinkClass,
+                value: link,
+            });
         }
         let q = h[4] as usize;
         if q == 0 || q > MAX_LANES {
-            return Err(Error::Protocol("rdma blob: bad endpoint count".into()));
+            return Err(ProtocolError::BadCount {
+                at: Layout::RdmaBlobDevice,
+                n: q,
+            });
         }
         at += BLOB_DEV_HEAD;
         let body = b
             .get(at..at + q * Endpoint::ENCODED_LEN)
-            .ok_or_else(|| Error::Protocol("rdma blob truncated".into()))?;
+            .ok_or(ProtocolError::Truncated {
+                at: Layout::RdmaBlob,
+                need: at + q * Endpoint::ENCODED_LEN,
+                have: b.len(),
+            })?;
         let endpoints = body
             .chunks_exact(Endpoint::ENCODED_LEN)
             .map(Endpoint::from_bytes)
             .collect::<Result<Vec<_>, _>>()
-            .map_err(|e| Error::Protocol(format!("rdma blob: {e}")))?;
+            .map_err(|e| ProtocolError::BadEndpoint {
+                at: Layout::RdmaBlob,
+                reason: e.to_string(),
+            })?;
         at += q * Endpoint::ENCODED_LEN;
         devs.push(RemoteDev {
             mtu,
@@ -664,7 +690,10 @@ fn parse_blob(b: &[u8]) -> Result<RemoteBlob, Error> {
         });
     }
     if at != b.len() {
-        return Err(Error::Protocol("rdma blob: trailing bytes".into()));
+        return Err(ProtocolError::TrailingBytes {
+            at: Layout::RdmaBlob,
+            n: b.len() - at,
+        });
     }
     Ok(RemoteBlob { nonce, devs })
 }
@@ -722,9 +751,7 @@ impl Transport for RdmaTransport {
             Error::Unsupported("no RDMA queue pairs prepared for this peer".into())
         })?;
         if local_blob[..16] == remote.nonce {
-            return Err(Error::Protocol(
-                "rdma blob: the peer echoed our nonce".into(),
-            ));
+            return Err(ProtocolError::EchoedNonce.into());
         }
         // Both sides pair the devices in the order of the side with the smaller nonce.
         let mine = self.local_classes();
@@ -1525,19 +1552,23 @@ impl PeerShared {
             _ => {}
         }
         if d.len() != MSG_LEN {
-            return Err(Error::Protocol("rdma control message: bad length".into()));
+            return Err(ProtocolError::BadLength {
+                at: Layout::RdmaLaneMsg,
+                len: d.len(),
+            }
+            .into());
         }
         let lane = d[1] as usize;
         if lane >= self.lanes.len() {
-            return Err(Error::Protocol(format!(
-                "rdma control message: lane {lane}"
-            )));
+            return Err(ProtocolError::BadLane { lane }.into());
         }
         let mut n = [0u8; 8];
         n.copy_from_slice(&d[2..10]);
         let nonce = u64::from_le_bytes(n);
-        let ep = Endpoint::from_bytes(&d[10..])
-            .map_err(|e| Error::Protocol(format!("rdma control message: {e}")))?;
+        let ep = Endpoint::from_bytes(&d[10..]).map_err(|e| ProtocolError::BadEndpoint {
+            at: Layout::RdmaLaneMsg,
+            reason: e.to_string(),
+        })?;
         if self.closed() {
             return Ok(());
         }
@@ -1604,7 +1635,7 @@ impl PeerShared {
                 tracing::debug!(target: WR_TRACE, lane, "rdma lane re-established");
                 Ok(())
             }
-            op => Err(Error::Protocol(format!("rdma control message: op {op}"))),
+            op => Err(ProtocolError::UnknownRdmaOp { op }.into()),
         }
     }
 
@@ -1664,11 +1695,14 @@ impl PeerShared {
     /// The peer asks for our rkeys of some regions: answer with every device's key (zeros for
     /// a region that is not offered).
     fn on_keys_req(&self, d: &[u8]) -> Result<(), Error> {
-        let bad = || Error::Protocol("rdma key request: bad length".into());
+        let bad = || ProtocolError::BadLength {
+            at: Layout::RdmaKeysReq,
+            len: d.len(),
+        };
         let n =
             u16::from_le_bytes([*d.get(1).ok_or_else(bad)?, *d.get(2).ok_or_else(bad)?]) as usize;
         if d.len() != 3 + n * 8 {
-            return Err(bad());
+            return Err(bad().into());
         }
         let Some(t) = self.tr.upgrade() else {
             return Ok(());
@@ -1710,21 +1744,25 @@ impl PeerShared {
 
     /// The peer's rkeys for some of its regions.
     fn on_keys(&self, d: &[u8]) -> Result<(), Error> {
-        let bad = || Error::Protocol("rdma keys: bad length".into());
+        let bad = || ProtocolError::BadLength {
+            at: Layout::RdmaKeys,
+            len: d.len(),
+        };
         if d.len() < 4 {
-            return Err(bad());
+            return Err(bad().into());
         }
         let ndev = d[1] as usize;
         let n = u16::from_le_bytes([d[2], d[3]]) as usize;
         if ndev != self.remote_devs {
-            return Err(Error::Protocol(format!(
-                "rdma keys for {ndev} devices, the peer listed {}",
-                self.remote_devs
-            )));
+            return Err(ProtocolError::KeysDeviceCount {
+                got: ndev,
+                listed: self.remote_devs,
+            }
+            .into());
         }
         let entry = 8 + 4 * ndev;
         if d.len() != 4 + n * entry {
-            return Err(bad());
+            return Err(bad().into());
         }
         let mut keys = self.keys.write();
         for c in d[4..].chunks_exact(entry) {

@@ -40,7 +40,7 @@ use crate::engine::CtrlWriter;
 use crate::error::Error;
 use crate::mem::{cma_copy, RegionMem};
 use crate::region::RegionId;
-use crate::wire::WireRegion;
+use crate::wire::{ProtocolError, WireRegion};
 
 /// Batches up to this many bytes are copied by the submitting thread.
 pub(crate) const INLINE_MAX: u64 = 1 << 20;
@@ -124,9 +124,7 @@ impl Shared {
             .open(&path)?;
         let md = f.metadata()?;
         if md.ino() != r.ino {
-            return Err(Error::Protocol(format!(
-                "{path} is not the announced memfd"
-            )));
+            return Err(ProtocolError::NotAnnouncedMemfd { path }.into());
         }
         let len = usize::try_from(r.len)
             .map_err(|_| Error::InvalidArgument("region too large".into()))?;

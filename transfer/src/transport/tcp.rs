@@ -34,7 +34,10 @@ use crate::config::TransportKind;
 use crate::error::Error;
 use crate::mem::{send_parts, IoPart, RegionMem};
 use crate::region::{check_bounds, GateGuard, RegionEntry, RegionId};
-use crate::wire::{self, CtrlMsg, FrameHeader, FrameKind, FLAG_TRACKED, FRAME_HEADER_LEN};
+use crate::wire::{
+    self, CtrlMsg, FrameHeader, FrameKind, LaneSide, ProtocolError, Stage, FLAG_TRACKED,
+    FRAME_HEADER_LEN,
+};
 
 /// Batches up to this many bytes are written by the submitting thread when a lane is idle.
 const INLINE_MAX: u64 = 256 << 10;
@@ -283,7 +286,10 @@ fn serve_lane_inner(s: &TcpStream, ctx: &TargetCtx) -> Result<(), Error> {
                 }
             }
             FrameKind::Ack | FrameKind::ReadData | FrameKind::Error => {
-                let e = Error::Protocol(format!("unexpected {:?} frame on a target lane", h.kind));
+                let e = Error::from(ProtocolError::WrongLane {
+                    kind: h.kind,
+                    side: LaneSide::Target,
+                });
                 out.extend_from_slice(&error_frame(0, &e));
                 let _ = w.write_all(&out);
                 return Err(e);
@@ -471,7 +477,10 @@ fn reader_loop_inner(s: TcpStream, pending: &Pending, mark: &AtomicU64) -> Resul
                 let payload = rd.payload_vec(h.len as usize)?;
                 let err = wire::decode_error(&payload, true)?;
                 if h.batch == 0 {
-                    return Err(Error::Protocol(format!("peer closed the lane: {err}")));
+                    return Err(ProtocolError::LaneClosedByPeer {
+                        reason: err.to_string(),
+                    }
+                    .into());
                 }
                 if let Some(b) = pending.get(h.batch) {
                     b.fail(err);
@@ -483,10 +492,12 @@ fn reader_loop_inner(s: TcpStream, pending: &Pending, mark: &AtomicU64) -> Resul
                 match (b.as_ref(), slice) {
                     (Some(b), Some(sl)) => {
                         if sl.len != h.len {
-                            return Err(Error::Protocol(format!(
-                                "read slice {} length {} != requested {}",
-                                h.aux, h.len, sl.len
-                            )));
+                            return Err(ProtocolError::ReadSliceLength {
+                                slice: h.aux,
+                                len: h.len,
+                                requested: sl.len,
+                            }
+                            .into());
                         }
                         // Lands inside the local region's gate (refused once unregistered).
                         match sl.local.enter() {
@@ -506,9 +517,11 @@ fn reader_loop_inner(s: TcpStream, pending: &Pending, mark: &AtomicU64) -> Resul
                 }
             }
             k => {
-                return Err(Error::Protocol(format!(
-                    "unexpected {k:?} frame on an initiator lane"
-                )))
+                return Err(ProtocolError::WrongLane {
+                    kind: k,
+                    side: LaneSide::Initiator,
+                }
+                .into())
             }
         }
     }
@@ -661,9 +674,11 @@ fn open_lane(t: &LaneTarget, lane: u16) -> Result<TcpStream, Error> {
         CtrlMsg::LaneOk => {}
         CtrlMsg::Reject { error } => return Err(wire::decode_error(&error, true)?),
         m => {
-            return Err(Error::Protocol(format!(
-                "unexpected answer to a lane join: {m:?}"
-            )))
+            return Err(ProtocolError::Unexpected {
+                stage: Stage::LaneJoinAnswer,
+                got: Some(Box::new(m)),
+            }
+            .into())
         }
     }
     s.set_read_timeout(None)?;

@@ -4,6 +4,7 @@ use super::msg::{
     CtrlMsg, CTRL_HEADER_LEN, CTRL_MAGIC, MAX_CTRL_BODY, MAX_ERROR_PAYLOAD, MAX_TAG,
     MAX_TRANSPORT_MSG, PROTOCOL_VERSION,
 };
+use super::problem::{Layout, ProtocolError};
 use super::rw::{Reader, Writer};
 use crate::error::Error;
 use crate::region::RegionId;
@@ -109,21 +110,30 @@ impl CtrlMsg {
     /// not checked, so a peer's `Reject` for a version mismatch can still be read.
     pub fn decode_header(b: &[u8]) -> Result<(u16, u8, u32), Error> {
         if b.len() < CTRL_HEADER_LEN {
-            return Err(Error::Protocol("truncated control header".into()));
+            return Err(ProtocolError::Truncated {
+                at: Layout::CtrlHeader,
+                need: CTRL_HEADER_LEN,
+                have: b.len(),
+            }
+            .into());
         }
         if b[0..4] != CTRL_MAGIC {
-            return Err(Error::Protocol(format!(
-                "bad control magic {:02x?}",
-                &b[0..4]
-            )));
+            return Err(ProtocolError::BadMagic {
+                at: Layout::CtrlHeader,
+                got: [b[0], b[1], b[2], b[3]],
+            }
+            .into());
         }
         let version = u16::from_le_bytes([b[4], b[5]]);
         let kind = b[6];
         let len = u32::from_le_bytes([b[8], b[9], b[10], b[11]]);
         if len > MAX_CTRL_BODY {
-            return Err(Error::Protocol(format!(
-                "control body length {len} exceeds bound {MAX_CTRL_BODY}"
-            )));
+            return Err(ProtocolError::TooLong {
+                at: Layout::CtrlHeader,
+                len: u64::from(len),
+                max: u64::from(MAX_CTRL_BODY),
+            }
+            .into());
         }
         Ok((version, kind, len))
     }
@@ -184,13 +194,20 @@ impl CtrlMsg {
                 bit: r.u8()?,
                 data: r.bytes(MAX_TRANSPORT_MSG)?,
             },
-            k => return Err(Error::Protocol(format!("unknown control message kind {k}"))),
+            k => {
+                return Err(ProtocolError::UnknownKind {
+                    at: Layout::CtrlBody,
+                    kind: k,
+                }
+                .into())
+            }
         };
         if !r.rest().is_empty() {
-            return Err(Error::Protocol(format!(
-                "{} trailing bytes in control message",
-                r.rest().len()
-            )));
+            return Err(ProtocolError::TrailingBytes {
+                at: Layout::CtrlBody,
+                n: r.rest().len(),
+            }
+            .into());
         }
         Ok(m)
     }
@@ -200,7 +217,11 @@ impl CtrlMsg {
         let (version, kind, len) = Self::decode_header(b)?;
         let body = &b[CTRL_HEADER_LEN..];
         if body.len() != len as usize {
-            return Err(Error::Protocol("control body length mismatch".into()));
+            return Err(ProtocolError::BadLength {
+                at: Layout::CtrlBody,
+                len: body.len(),
+            }
+            .into());
         }
         if version != PROTOCOL_VERSION && kind != 5 {
             return Err(Error::VersionMismatch {

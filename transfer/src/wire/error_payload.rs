@@ -1,5 +1,6 @@
 //! Errors on the wire: the payload of `Error` frames and `Reject` messages.
 
+use super::problem::ProtocolError;
 use super::rw::{Reader, Writer};
 use crate::error::Error;
 use crate::region::RegionId;
@@ -125,6 +126,6 @@ pub fn decode_error(b: &[u8], flip: bool) -> Result<Error, Error> {
         7 => Error::Unsupported(format!("peer: {msg}")),
         8 => Error::Shutdown,
         9 => Error::InvalidArgument(format!("peer: {msg}")),
-        _ => Error::Protocol(format!("peer reported: {msg}")),
+        _ => ProtocolError::PeerReported { msg }.into(),
     })
 }

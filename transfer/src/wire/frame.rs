@@ -4,6 +4,7 @@ use super::msg::{
     FrameHeader, FrameKind, FRAME_HEADER_LEN, FRAME_MAGIC, MAX_ERROR_PAYLOAD, MAX_SLICE, MAX_TAG,
     PROTOCOL_VERSION,
 };
+use super::problem::{Layout, ProtocolError};
 use crate::error::Error;
 use crate::region::RegionId;
 
@@ -79,16 +80,19 @@ impl FrameHeader {
     /// Decodes and validates a header (magic, version, kind, length bound).
     pub fn decode(b: &[u8]) -> Result<FrameHeader, Error> {
         if b.len() < FRAME_HEADER_LEN {
-            return Err(Error::Protocol(format!(
-                "truncated frame header ({} bytes)",
-                b.len()
-            )));
+            return Err(ProtocolError::Truncated {
+                at: Layout::FrameHeader,
+                need: FRAME_HEADER_LEN,
+                have: b.len(),
+            }
+            .into());
         }
         if b[0..4] != FRAME_MAGIC {
-            return Err(Error::Protocol(format!(
-                "bad frame magic {:02x?}",
-                &b[0..4]
-            )));
+            return Err(ProtocolError::BadMagic {
+                at: Layout::FrameHeader,
+                got: [b[0], b[1], b[2], b[3]],
+            }
+            .into());
         }
         let version = u16::from_le_bytes([b[4], b[5]]);
         if version != PROTOCOL_VERSION {
@@ -97,8 +101,10 @@ impl FrameHeader {
                 theirs: version,
             });
         }
-        let kind = FrameKind::from_u8(b[6])
-            .ok_or_else(|| Error::Protocol(format!("unknown frame kind {}", b[6])))?;
+        let kind = FrameKind::from_u8(b[6]).ok_or(ProtocolError::UnknownKind {
+            at: Layout::FrameHeader,
+            kind: b[6],
+        })?;
         let u32at = |i: usize| u32::from_le_bytes([b[i], b[i + 1], b[i + 2], b[i + 3]]);
         let u64at = |i: usize| {
             let mut a = [0u8; 8];
@@ -118,12 +124,12 @@ impl FrameHeader {
             aux: u32at(36),
         };
         if h.len > kind.max_len() {
-            return Err(Error::Protocol(format!(
-                "{:?} frame length {} exceeds bound {}",
-                kind,
-                h.len,
-                kind.max_len()
-            )));
+            return Err(ProtocolError::TooLong {
+                at: Layout::FramePayload(kind),
+                len: u64::from(h.len),
+                max: u64::from(kind.max_len()),
+            }
+            .into());
         }
         Ok(h)
     }

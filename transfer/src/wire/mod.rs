@@ -16,6 +16,7 @@
 //! * `msg`: constants, frame and control message types, host identity, wire regions;
 //! * `frame`: data-lane frame headers (encode, decode, bounds);
 //! * `ctrl`: control messages (encode, decode, reading one from a stream);
+//! * `problem`: [`ProtocolError`], what a peer got wrong and where;
 //! * `error_payload`: errors carried in `Error` frames and `Reject` messages;
 //! * `rw`: the little-endian reader and writer every decoder uses.
 
@@ -23,6 +24,7 @@ mod ctrl;
 mod error_payload;
 mod frame;
 mod msg;
+mod problem;
 mod rw;
 
 pub use ctrl::read_ctrl;
@@ -33,3 +35,4 @@ pub use msg::{
     MAX_REGIONS_PER_MSG, MAX_SLICE, MAX_TAG, MAX_TRANSPORT_MSG, PROTOCOL_VERSION, TRANSPORT_RDMA,
     TRANSPORT_SHM, TRANSPORT_TCP,
 };
+pub use problem::{Field, LaneSide, Layout, ProtocolError, Stage};

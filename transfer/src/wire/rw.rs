@@ -1,7 +1,7 @@
 //! The little-endian writer and the bounded reader under every control-message codec.
 
 use super::msg::{HostIdentity, WireRegion, MAX_REGIONS_PER_MSG};
-use crate::error::Error;
+use super::problem::{Field, Layout, ProtocolError};
 use crate::region::{Access, RegionId};
 
 #[derive(Default)]
@@ -71,69 +71,78 @@ impl<'a> Reader<'a> {
     pub(super) fn rest(&self) -> &'a [u8] {
         self.b
     }
-    pub(super) fn take(&mut self, n: usize) -> Result<&'a [u8], Error> {
+    pub(super) fn take(&mut self, n: usize) -> Result<&'a [u8], ProtocolError> {
         if self.b.len() < n {
-            return Err(Error::Protocol(format!(
-                "truncated message: need {n} bytes, have {}",
-                self.b.len()
-            )));
+            return Err(ProtocolError::Truncated {
+                at: Layout::Field,
+                need: n,
+                have: self.b.len(),
+            });
         }
         let (h, t) = self.b.split_at(n);
         self.b = t;
         Ok(h)
     }
-    pub(super) fn u8(&mut self) -> Result<u8, Error> {
+    pub(super) fn u8(&mut self) -> Result<u8, ProtocolError> {
         Ok(self.take(1)?[0])
     }
-    pub(super) fn bool(&mut self) -> Result<bool, Error> {
+    pub(super) fn bool(&mut self) -> Result<bool, ProtocolError> {
         match self.u8()? {
             0 => Ok(false),
             1 => Ok(true),
-            v => Err(Error::Protocol(format!("bad boolean {v}"))),
+            v => Err(ProtocolError::BadValue {
+                field: Field::Bool,
+                value: v,
+            }),
         }
     }
-    pub(super) fn u16(&mut self) -> Result<u16, Error> {
+    pub(super) fn u16(&mut self) -> Result<u16, ProtocolError> {
         let t = self.take(2)?;
         Ok(u16::from_le_bytes([t[0], t[1]]))
     }
-    pub(super) fn u32(&mut self) -> Result<u32, Error> {
+    pub(super) fn u32(&mut self) -> Result<u32, ProtocolError> {
         let t = self.take(4)?;
         Ok(u32::from_le_bytes([t[0], t[1], t[2], t[3]]))
     }
-    pub(super) fn u64(&mut self) -> Result<u64, Error> {
+    pub(super) fn u64(&mut self) -> Result<u64, ProtocolError> {
         let t = self.take(8)?;
         let mut a = [0u8; 8];
         a.copy_from_slice(t);
         Ok(u64::from_le_bytes(a))
     }
-    pub(super) fn fixed<const N: usize>(&mut self) -> Result<[u8; N], Error> {
+    pub(super) fn fixed<const N: usize>(&mut self) -> Result<[u8; N], ProtocolError> {
         let t = self.take(N)?;
         let mut a = [0u8; N];
         a.copy_from_slice(t);
         Ok(a)
     }
-    pub(super) fn bytes(&mut self, max: usize) -> Result<Vec<u8>, Error> {
+    pub(super) fn bytes(&mut self, max: usize) -> Result<Vec<u8>, ProtocolError> {
         let n = self.u32()? as usize;
         if n > max {
-            return Err(Error::Protocol(format!(
-                "field length {n} exceeds bound {max}"
-            )));
+            return Err(ProtocolError::TooLong {
+                at: Layout::Field,
+                len: n as u64,
+                max: max as u64,
+            });
         }
         Ok(self.take(n)?.to_vec())
     }
-    pub(super) fn string(&mut self, max: usize) -> Result<String, Error> {
+    pub(super) fn string(&mut self, max: usize) -> Result<String, ProtocolError> {
         let b = self.bytes(max)?;
-        String::from_utf8(b).map_err(|_| Error::Protocol("invalid utf-8 string".into()))
+        String::from_utf8(b).map_err(|_| ProtocolError::BadUtf8)
     }
     /// A count of items each at least `min_item` bytes: bounded by what remains.
-    pub(super) fn count(&mut self, min_item: usize) -> Result<usize, Error> {
+    pub(super) fn count(&mut self, min_item: usize) -> Result<usize, ProtocolError> {
         let n = self.u32()? as usize;
         if n > MAX_REGIONS_PER_MSG as usize || n.saturating_mul(min_item) > self.b.len() {
-            return Err(Error::Protocol(format!("item count {n} exceeds message")));
+            return Err(ProtocolError::BadCount {
+                at: Layout::Field,
+                n,
+            });
         }
         Ok(n)
     }
-    pub(super) fn host(&mut self) -> Result<HostIdentity, Error> {
+    pub(super) fn host(&mut self) -> Result<HostIdentity, ProtocolError> {
         Ok(HostIdentity {
             boot_id: self.string(256)?,
             pid_ns: self.string(256)?,
@@ -141,10 +150,13 @@ impl<'a> Reader<'a> {
             pid: self.u32()?,
         })
     }
-    pub(super) fn blobs(&mut self) -> Result<Vec<(u8, Vec<u8>)>, Error> {
+    pub(super) fn blobs(&mut self) -> Result<Vec<(u8, Vec<u8>)>, ProtocolError> {
         let n = self.count(5)?;
         if n > 16 {
-            return Err(Error::Protocol(format!("{n} transport blobs (max 16)")));
+            return Err(ProtocolError::BadCount {
+                at: Layout::HelloBlobs,
+                n,
+            });
         }
         let mut v = Vec::with_capacity(n);
         for _ in 0..n {
@@ -153,7 +165,7 @@ impl<'a> Reader<'a> {
         }
         Ok(v)
     }
-    pub(super) fn regions(&mut self) -> Result<Vec<WireRegion>, Error> {
+    pub(super) fn regions(&mut self) -> Result<Vec<WireRegion>, ProtocolError> {
         let n = self.count(41)?;
         let mut v = Vec::with_capacity(n);
         for _ in 0..n {
@@ -163,8 +175,10 @@ impl<'a> Reader<'a> {
             };
             let len = self.u64()?;
             let a = self.u8()?;
-            let access =
-                Access::from_wire(a).ok_or_else(|| Error::Protocol(format!("bad access {a}")))?;
+            let access = Access::from_wire(a).ok_or(ProtocolError::BadValue {
+                field: Field::Access,
+                value: a,
+            })?;
             v.push(WireRegion {
                 id,
                 len,
