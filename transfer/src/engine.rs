@@ -29,9 +29,10 @@ use crate::transport::{
     CopyMarks, Dir, EstablishCtx, NotifyTracker, PeerTransport, Posted, ShmTransport, TargetCtx,
     TcpTransport, Transport, Xfer,
 };
+use crate::wire::fence::{EngineMsg, FenceKind, ENGINE_MSG_BIT};
 use crate::wire::{
-    self, CtrlMsg, HostIdentity, Layout, ProtocolError, Stage, WireRegion, TRANSPORT_RDMA,
-    TRANSPORT_SHM, TRANSPORT_TCP,
+    self, CtrlMsg, HostIdentity, ProtocolError, Stage, WireRegion, TRANSPORT_RDMA, TRANSPORT_SHM,
+    TRANSPORT_TCP,
 };
 use crate::Op;
 
@@ -53,41 +54,6 @@ pub struct Descriptor {
 /// Concurrent handshakes accepted at once (beyond this, new connections are closed).
 const MAX_HANDSHAKES: usize = 64;
 
-/// `CtrlMsg::Transport::bit` of the engine's own control messages (not a transport bit).
-const ENGINE_MSG: u8 = 0x80;
-/// Engine message: "answer with [`FENCE_ACK`] once every earlier message was handled".
-const FENCE: u8 = 1;
-/// Engine message: the answer to a [`FENCE`], with its kind and id.
-const FENCE_ACK: u8 = 2;
-/// Fence kind: a notification (id: its batch) was queued by the target.
-const FENCE_NOTIFY: u8 = 1;
-/// Fence kind: the peer handled a region withdrawal (id: the unregister sequence number).
-const FENCE_REGIONS: u8 = 2;
-
-fn engine_msg(op: u8, kind: u8, id: u64) -> CtrlMsg {
-    let mut data = Vec::with_capacity(10);
-    data.push(op);
-    data.push(kind);
-    data.extend_from_slice(&id.to_le_bytes());
-    CtrlMsg::Transport {
-        bit: ENGINE_MSG,
-        data,
-    }
-}
-
-fn parse_engine_msg(d: &[u8]) -> Result<(u8, u8, u64), Error> {
-    if d.len() != 10 {
-        return Err(ProtocolError::BadLength {
-            at: Layout::EngineMsg,
-            len: d.len(),
-        }
-        .into());
-    }
-    let mut id = [0u8; 8];
-    id.copy_from_slice(&d[2..]);
-    Ok((d[0], d[1], u64::from_le_bytes(id)))
-}
-
 /// Serialized writer of a peer's control connection.
 pub(crate) struct CtrlWriter {
     s: Mutex<TcpStream>,
@@ -108,7 +74,11 @@ impl CtrlWriter {
     /// delivered, as over TCP). Transports that notify over the control connection use this.
     pub fn send_notify(&self, batch: u64, tag: Vec<u8>) -> Result<(), Error> {
         let mut buf = CtrlMsg::Notify(tag).encode();
-        buf.extend_from_slice(&engine_msg(FENCE, FENCE_NOTIFY, batch).encode());
+        buf.extend_from_slice(
+            &EngineMsg::Fence(FenceKind::Notify, batch)
+                .to_ctrl()
+                .encode(),
+        );
         self.awaiting.lock().insert(batch);
         let r = self.s.lock().write_all(&buf);
         if r.is_err() {
@@ -996,7 +966,9 @@ impl Core {
             let mut buf = CtrlMsg::RegionsRemoved(vec![id]).encode();
             let fence = raw && p.same_host;
             if fence {
-                buf.extend_from_slice(&engine_msg(FENCE, FENCE_REGIONS, seq).encode());
+                buf.extend_from_slice(
+                    &EngineMsg::Fence(FenceKind::Regions, seq).to_ctrl().encode(),
+                );
             }
             let sent = p.ctrl.s.lock().write_all(&buf);
             if let Err(e) = sent {
@@ -1753,7 +1725,7 @@ fn ctrl_loop(core: Weak<Core>, p: Arc<PeerInner>, mut s: TcpStream) {
                 }
             }
             CtrlMsg::Transport {
-                bit: ENGINE_MSG,
+                bit: ENGINE_MSG_BIT,
                 data,
             } => {
                 if let Err(e) = on_engine_msg(&core, &p, &data) {
@@ -1782,12 +1754,11 @@ fn ctrl_loop(core: Weak<Core>, p: Arc<PeerInner>, mut s: TcpStream) {
 
 /// An engine control message from peer `p` (fences and their answers).
 fn on_engine_msg(core: &Weak<Core>, p: &Arc<PeerInner>, data: &[u8]) -> Result<(), Error> {
-    let (op, kind, id) = parse_engine_msg(data)?;
-    match (op, kind) {
+    match EngineMsg::decode(data)? {
         // Everything the peer sent before the fence was handled (in order, on this thread):
         // its notification is queued, its region withdrawal took effect.
-        (FENCE, FENCE_NOTIFY | FENCE_REGIONS) => p.ctrl.send(&engine_msg(FENCE_ACK, kind, id)),
-        (FENCE_ACK, FENCE_NOTIFY) => {
+        EngineMsg::Fence(kind, id) => p.ctrl.send(&EngineMsg::FenceAck(kind, id).to_ctrl()),
+        EngineMsg::FenceAck(FenceKind::Notify, id) => {
             if p.ctrl.awaiting.lock().remove(&id) {
                 if let Some(st) = p.pending.get(id) {
                     st.part_done();
@@ -1797,12 +1768,11 @@ fn on_engine_msg(core: &Weak<Core>, p: &Arc<PeerInner>, data: &[u8]) -> Result<(
                 Err(ProtocolError::UnexpectedFenceAck { batch: id }.into())
             }
         }
-        (FENCE_ACK, FENCE_REGIONS) => {
+        EngineMsg::FenceAck(FenceKind::Regions, id) => {
             if let Some(c) = core.upgrade() {
                 c.fences.acked(id, p.id);
             }
             Ok(())
         }
-        _ => Err(ProtocolError::UnknownEngineMsg { op, kind }.into()),
     }
 }

@@ -291,23 +291,22 @@ impl Transport for ShmTransport {
         crate::wire::TRANSPORT_SHM
     }
     fn hello_blob(&self) -> Option<Vec<u8>> {
-        let mut b = (self.probe.as_ptr() as u64).to_le_bytes().to_vec();
-        b.extend_from_slice(&self.probe[..]);
-        Some(b)
+        Some(crate::wire::shm::encode_probe(
+            self.probe.as_ptr() as u64,
+            &self.probe,
+        ))
     }
     fn usable_with(&self, remote_host: &HostIdentity, remote_blob: Option<&[u8]>) -> bool {
         let local = crate::engine::host_identity();
-        let Some(b) = remote_blob.filter(|b| b.len() == 24) else {
+        let Some((addr, token)) = remote_blob.and_then(crate::wire::shm::decode_probe) else {
             return false;
         };
         if !local.same_host(remote_host) {
             return false;
         }
-        let mut a = [0u8; 8];
-        a.copy_from_slice(&b[..8]);
         let mut got = [0u8; 16];
-        match crate::mem::cma_peek(remote_host.pid as i32, u64::from_le_bytes(a), &mut got) {
-            Ok(()) => got[..] == b[8..],
+        match crate::mem::cma_peek(remote_host.pid as i32, addr, &mut got) {
+            Ok(()) => got == token,
             Err(e) => {
                 tracing::info!(error = %e, "same host, but the peer's memory is not accessible; not using shm");
                 false

@@ -177,10 +177,7 @@ fn serve_lane_inner(s: &TcpStream, ctx: &TargetCtx) -> Result<(), Error> {
     let ack = |out: &mut Vec<u8>, last: &mut Option<(u64, usize)>, batch: u64| {
         if let Some((b, pos)) = *last {
             if b == batch && pos + FRAME_HEADER_LEN == out.len() {
-                let mut a = [0u8; 4];
-                a.copy_from_slice(&out[pos + 36..pos + 40]);
-                let n = u32::from_le_bytes(a).saturating_add(1);
-                out[pos + 36..pos + 40].copy_from_slice(&n.to_le_bytes());
+                FrameHeader::bump_ack(&mut out[pos..]);
                 return;
             }
         }

@@ -77,6 +77,15 @@ impl FrameHeader {
         b
     }
 
+    /// Counts one more part in the `aux` field of an encoded `Ack` header (saturating): the
+    /// target merges consecutive acks of one batch into one frame this way.
+    pub(crate) fn bump_ack(encoded: &mut [u8]) {
+        let mut a = [0u8; 4];
+        a.copy_from_slice(&encoded[36..40]);
+        let n = u32::from_le_bytes(a).saturating_add(1);
+        encoded[36..40].copy_from_slice(&n.to_le_bytes());
+    }
+
     /// Decodes and validates a header (magic, version, kind, length bound).
     pub fn decode(b: &[u8]) -> Result<FrameHeader, Error> {
         if b.len() < FRAME_HEADER_LEN {

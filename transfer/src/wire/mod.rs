@@ -14,18 +14,24 @@
 //!
 //! Modules (each a layer of the codec; the types are in `msg`, their encoders next to them):
 //! * `msg`: constants, frame and control message types, host identity, wire regions;
+//! * `problem`: [`ProtocolError`], what a peer got wrong and where;
 //! * `frame`: data-lane frame headers (encode, decode, bounds);
 //! * `ctrl`: control messages (encode, decode, reading one from a stream);
-//! * `problem`: [`ProtocolError`], what a peer got wrong and where;
 //! * `error_payload`: errors carried in `Error` frames and `Reject` messages;
-//! * `rw`: the little-endian reader and writer every decoder uses.
+//! * `rw`: the little-endian reader and writer every decoder uses;
+//! * `fence`: the engine's own control messages (fences), inside `CtrlMsg::Transport`;
+//! * `rdma`: the RDMA handshake blob and the RDMA control messages (reconnection, keys);
+//! * `shm`: the shared-memory handshake blob (the memory-access probe).
 
 mod ctrl;
 mod error_payload;
+pub(crate) mod fence;
 mod frame;
 mod msg;
 mod problem;
+pub(crate) mod rdma;
 mod rw;
+pub(crate) mod shm;
 
 pub use ctrl::read_ctrl;
 pub use error_payload::{decode_error, encode_error};
