@@ -10,25 +10,33 @@ use std::time::{Duration, Instant};
 
 use parking_lot::{Condvar, Mutex};
 
-use crate::config::TransportKind;
 use crate::error::Error;
 use crate::metrics::PeerObs;
 use crate::region::RegionEntry;
-use crate::transport::{Dir, Posted};
+use crate::types::{BatchStats, Dir};
+use crate::wire::WireRegion;
 
-/// What a completed batch did.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub struct BatchStats {
-    /// Payload bytes.
-    pub bytes: u64,
-    /// Ops submitted.
+/// One validated transfer (after coalescing).
+pub(crate) struct Xfer {
+    pub local: Arc<RegionEntry>,
+    pub local_offset: u64,
+    pub remote: WireRegion,
+    pub remote_offset: u64,
+    pub len: u64,
+}
+
+/// A batch ready to post.
+pub(crate) struct Posted {
+    pub id: u64,
+    pub dir: Dir,
+    pub xfers: Vec<Xfer>,
+    pub notify: Option<Vec<u8>>,
     pub ops: usize,
-    /// Transfers after coalescing.
-    pub writes: usize,
-    /// Wire slices (TCP frames with payload; shm copies).
-    pub slices: usize,
-    /// Transport that carried the batch.
-    pub transport: TransportKind,
+    pub bytes: u64,
+    pub deadline: Instant,
+    pub timer: Arc<Timer>,
+    /// When the batch was submitted (metrics: latency).
+    pub start: Instant,
 }
 
 /// Where a read slice lands locally.
@@ -460,6 +468,7 @@ impl Timer {
 #[cfg(test)]
 mod hook_tests {
     use super::*;
+    use crate::types::TransportKind;
 
     fn stats() -> BatchStats {
         BatchStats {

@@ -3,20 +3,7 @@
 use std::net::SocketAddr;
 use std::time::Duration;
 
-/// Which transport to use towards peers.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
-pub enum TransportKind {
-    /// Shared memory when both peers run on one host (same boot id and namespaces), TCP otherwise.
-    Auto,
-    /// Always TCP.
-    Tcp,
-    /// Always shared memory; connecting to a peer on another host fails with `Error::Unsupported`.
-    Shm,
-    /// Always RDMA (RC queue pairs); `Engine::new` fails with `Error::Unsupported` when no
-    /// RDMA device is usable here. `Auto` uses RDMA towards peers that offer it when shm is
-    /// not possible (another host), or first when `KVWIRE_PREFER_RDMA=1`.
-    Rdma,
-}
+use crate::types::TransportKind;
 
 /// Engine configuration. `EngineConfig::default()` listens on an ephemeral loopback port.
 #[derive(Clone, Debug)]

@@ -12,33 +12,28 @@ use crossbeam_channel::Sender;
 use parking_lot::{Mutex, RwLock};
 
 use crate::auth;
-use crate::batch::{Batch, Pending, Timer};
+use crate::batch::{Batch, Pending, Posted, Timer, Xfer};
 use crate::coalesce::coalesce;
-use crate::config::{EngineConfig, TransportKind};
+use crate::config::EngineConfig;
+use crate::ctrl::CtrlWriter;
 use crate::error::Error;
+use crate::host::host_identity;
 use crate::mem::RegionMem;
 use crate::metrics::{self, EngineMetrics, MetricsSnapshot};
 use crate::notify::{Notification, Notifications, NotifyQueue};
-use crate::region::{
-    check_bounds, Access, RegionEntry, RegionHandle, RegionId, RegionTable, RemoteRegion,
-};
+use crate::region::{check_bounds, RegionEntry, RegionTable};
 use crate::transport::rdma::RdmaTransport;
-use crate::transport::shm::CopyJob;
-use crate::transport::tcp::{serve_lane, OnDead};
+use crate::transport::shm::ShmTransport;
+use crate::transport::tcp::{serve_lane, TcpTransport};
 use crate::transport::{
-    CopyMarks, Dir, EstablishCtx, NotifyTracker, PeerTransport, Posted, ShmTransport, TargetCtx,
-    TcpTransport, Transport, Xfer,
+    CopyJob, CopyMarks, EstablishCtx, NotifyTracker, OnDead, PeerTransport, TargetCtx, Transport,
 };
+use crate::types::{Access, Dir, Op, PeerId, RegionHandle, RegionId, RemoteRegion, TransportKind};
 use crate::wire::fence::{EngineMsg, FenceKind, ENGINE_MSG_BIT};
 use crate::wire::{
     self, CtrlMsg, HostIdentity, ProtocolError, Stage, WireRegion, TRANSPORT_RDMA, TRANSPORT_SHM,
     TRANSPORT_TCP,
 };
-use crate::Op;
-
-/// Identifies a peer within one engine.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
-pub struct PeerId(pub u64);
 
 /// What a peer learns about this engine: where to connect, where it runs, what it offers.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -53,40 +48,6 @@ pub struct Descriptor {
 
 /// Concurrent handshakes accepted at once (beyond this, new connections are closed).
 const MAX_HANDSHAKES: usize = 64;
-
-/// Serialized writer of a peer's control connection.
-pub(crate) struct CtrlWriter {
-    s: Mutex<TcpStream>,
-    /// Batches whose notification went out and whose delivery the target has not confirmed.
-    awaiting: Mutex<std::collections::HashSet<u64>>,
-}
-
-impl CtrlWriter {
-    pub fn send(&self, m: &CtrlMsg) -> Result<(), Error> {
-        let buf = m.encode();
-        self.s.lock().write_all(&buf)?;
-        Ok(())
-    }
-
-    /// Sends the notification of batch `batch` followed by a fence the target answers once it
-    /// queued the notification. The caller must leave one part of the batch open: the engine
-    /// completes it when the answer arrives (so a completed batch's notification is already
-    /// delivered, as over TCP). Transports that notify over the control connection use this.
-    pub fn send_notify(&self, batch: u64, tag: Vec<u8>) -> Result<(), Error> {
-        let mut buf = CtrlMsg::Notify(tag).encode();
-        buf.extend_from_slice(
-            &EngineMsg::Fence(FenceKind::Notify, batch)
-                .to_ctrl()
-                .encode(),
-        );
-        self.awaiting.lock().insert(batch);
-        let r = self.s.lock().write_all(&buf);
-        if r.is_err() {
-            self.awaiting.lock().remove(&batch);
-        }
-        Ok(r?)
-    }
-}
 
 #[derive(Default)]
 struct RemoteTable {
@@ -319,27 +280,6 @@ impl std::fmt::Debug for Engine {
         f.debug_struct("Engine")
             .field("listen", &self.h.core.listen_addr)
             .finish_non_exhaustive()
-    }
-}
-
-fn read_trim(p: &str) -> String {
-    std::fs::read_to_string(p)
-        .map(|s| s.trim().to_string())
-        .unwrap_or_default()
-}
-
-fn link(p: &str) -> String {
-    std::fs::read_link(p)
-        .map(|l| l.to_string_lossy().into_owned())
-        .unwrap_or_default()
-}
-
-pub(crate) fn host_identity() -> HostIdentity {
-    HostIdentity {
-        boot_id: read_trim("/proc/sys/kernel/random/boot_id"),
-        pid_ns: link("/proc/self/ns/pid"),
-        mnt_ns: link("/proc/self/ns/mnt"),
-        pid: std::process::id(),
     }
 }
 
@@ -970,7 +910,7 @@ impl Core {
                     &EngineMsg::Fence(FenceKind::Regions, seq).to_ctrl().encode(),
                 );
             }
-            let sent = p.ctrl.s.lock().write_all(&buf);
+            let sent = p.ctrl.write_encoded(&buf);
             if let Err(e) = sent {
                 tracing::debug!(peer = ?p.id, error = %e, "region withdrawal not sent");
                 if fence {
@@ -1122,10 +1062,7 @@ impl Core {
         let remote_addr = s.peer_addr()?;
         s.set_read_timeout(None)?;
         s.set_write_timeout(Some(self.cfg.connect_timeout.max(Duration::from_secs(1))))?;
-        let ctrl = Arc::new(CtrlWriter {
-            s: Mutex::new(s.try_clone()?),
-            awaiting: Mutex::new(std::collections::HashSet::new()),
-        });
+        let ctrl = Arc::new(CtrlWriter::new(s.try_clone()?));
         let obs = self.cfg.metrics.then(|| self.metrics.peer_obs(hs.kind));
         let pending = Arc::new(Pending::with_obs(obs));
         let weak_core = Arc::downgrade(self);
@@ -1284,7 +1221,7 @@ impl Core {
             t.close();
         }
         p.tracker.clear();
-        p.ctrl.awaiting.lock().clear();
+        p.ctrl.forget_all();
         let _ = p.ctrl_stream.shutdown(Shutdown::Both);
         self.fences.peer_gone(id, p.remote_host.pid);
         for s in p.inbound_lanes.lock().drain(..) {
@@ -1759,7 +1696,7 @@ fn on_engine_msg(core: &Weak<Core>, p: &Arc<PeerInner>, data: &[u8]) -> Result<(
         // its notification is queued, its region withdrawal took effect.
         EngineMsg::Fence(kind, id) => p.ctrl.send(&EngineMsg::FenceAck(kind, id).to_ctrl()),
         EngineMsg::FenceAck(FenceKind::Notify, id) => {
-            if p.ctrl.awaiting.lock().remove(&id) {
+            if p.ctrl.confirm(id) {
                 if let Some(st) = p.pending.get(id) {
                     st.part_done();
                 }

@@ -1,7 +1,7 @@
 //! The engine's error type.
 
-use crate::region::RegionId;
-use crate::wire::ProtocolError;
+use crate::types::RegionId;
+use crate::wire::problem::ProtocolError;
 
 /// Everything that can go wrong in the engine, typed so callers can react.
 #[derive(Debug, thiserror::Error)]
@@ -103,5 +103,23 @@ impl Error {
 impl From<nix::Error> for Error {
     fn from(e: nix::Error) -> Self {
         Error::Io(std::io::Error::from(e))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn protocol_errors_keep_their_prefix_and_copy() {
+        let e = Error::from(ProtocolError::DuplicateNotify { batch: 3 });
+        assert_eq!(
+            e.to_string(),
+            "protocol error: second notification for batch 3"
+        );
+        assert!(matches!(
+            e.duplicate(),
+            Error::Protocol(ProtocolError::DuplicateNotify { batch: 3 })
+        ));
     }
 }

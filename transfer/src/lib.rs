@@ -42,11 +42,13 @@ mod auth;
 mod batch;
 pub mod coalesce;
 mod config;
+mod ctrl;
 #[cfg(feature = "cuda")]
 #[allow(unsafe_code)]
 pub mod cuda;
 mod engine;
 mod error;
+mod host;
 pub mod layer;
 #[allow(unsafe_code)]
 mod mem;
@@ -54,30 +56,17 @@ pub mod metrics;
 mod notify;
 mod region;
 mod transport;
+mod types;
 pub use kvwire_verbs as verbs;
 pub mod wire;
 
-pub use batch::{Batch, BatchStats};
-pub use config::{EngineConfig, TransportKind};
-pub use engine::{Descriptor, Engine, Peer, PeerId};
+pub use batch::Batch;
+pub use config::EngineConfig;
+pub use engine::{Descriptor, Engine, Peer};
 pub use error::Error;
 pub use metrics::MetricsSnapshot;
 pub use notify::{Notification, Notifications};
-pub use region::{Access, RegionHandle, RegionId, RemoteRegion};
+pub use types::{
+    Access, BatchStats, Op, PeerId, RegionHandle, RegionId, RemoteRegion, TransportKind,
+};
 pub use wire::HostIdentity;
-
-/// One transfer of a batch: `len` bytes between `(local, local_offset)` and
-/// `(remote, remote_offset)` (direction given by `Engine::write`/`Engine::read`).
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
-pub struct Op {
-    /// Local region (source of a write, destination of a read).
-    pub local: RegionHandle,
-    /// Offset in the local region.
-    pub local_offset: u64,
-    /// Remote region id, as the peer offers it.
-    pub remote: RegionId,
-    /// Offset in the remote region.
-    pub remote_offset: u64,
-    /// Bytes.
-    pub len: u64,
-}

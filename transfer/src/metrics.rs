@@ -17,8 +17,8 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
-use crate::config::TransportKind;
 use crate::error::Error;
+use crate::types::{BatchStats, TransportKind};
 
 /// Transports with their own series, in label order.
 pub(crate) const TRANSPORTS: [TransportKind; 3] =
@@ -137,7 +137,7 @@ struct Cell {
 }
 
 impl Cell {
-    fn record(&self, d: Duration, stats: &crate::batch::BatchStats) {
+    fn record(&self, d: Duration, stats: &BatchStats) {
         self.buckets[bucket_of(d)].fetch_add(1, Ordering::Relaxed);
         self.sum_ns
             .fetch_add(d.as_nanos().min(u64::MAX as u128) as u64, Ordering::Relaxed);
@@ -360,10 +360,10 @@ impl PeerObs {
     /// A registered batch finished (`read`: direction; `d`: submit to completion).
     pub(crate) fn finished(
         &self,
-        stats: &crate::batch::BatchStats,
+        stats: &BatchStats,
         read: bool,
         d: Duration,
-        r: &Result<crate::batch::BatchStats, Error>,
+        r: &Result<BatchStats, Error>,
     ) {
         let e = &self.engine;
         let c = &self.peer;

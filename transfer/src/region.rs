@@ -12,71 +12,7 @@ use parking_lot::{Condvar, Mutex, RwLock};
 
 use crate::error::Error;
 use crate::mem::RegionMem;
-
-/// A local handle to a registered region (slot index + generation). Cheap to copy.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
-pub struct RegionHandle {
-    pub(crate) index: u32,
-    pub(crate) generation: u32,
-}
-
-impl RegionHandle {
-    /// The id under which peers see this region.
-    pub fn id(&self) -> RegionId {
-        RegionId {
-            index: self.index,
-            generation: self.generation,
-        }
-    }
-}
-
-/// The name of a region as peers see it.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
-pub struct RegionId {
-    /// Slot index in the owner's region table.
-    pub index: u32,
-    /// Generation of the slot when the region was registered.
-    pub generation: u32,
-}
-
-/// What remote peers may do with a region.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
-pub enum Access {
-    /// Remote peers may write and read.
-    ReadWrite,
-    /// Remote peers may write only.
-    WriteOnly,
-    /// Remote peers may read only.
-    ReadOnly,
-    /// Not offered to peers at all (local source/destination buffers).
-    Local,
-}
-
-impl Access {
-    /// Whether a remote peer may write into a region with this access.
-    pub fn remote_write(self) -> bool {
-        matches!(self, Access::ReadWrite | Access::WriteOnly)
-    }
-    /// Whether a remote peer may read from a region with this access.
-    pub fn remote_read(self) -> bool {
-        matches!(self, Access::ReadWrite | Access::ReadOnly)
-    }
-    /// Whether the region is offered to peers at all.
-    pub fn offered(self) -> bool {
-        !matches!(self, Access::Local)
-    }
-}
-
-/// A region a remote peer offers to us.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
-pub struct RemoteRegion {
-    /// The region's id on the remote engine.
-    pub id: RegionId,
-    /// Its length in bytes.
-    pub len: u64,
-    /// What we may do with it.
-    pub access: Access,
-}
+use crate::types::{Access, RegionHandle, RegionId, RemoteRegion};
 
 /// Checks `offset .. offset+len` against a region of `region_len` bytes, without overflow.
 pub(crate) fn check_bounds(

@@ -33,11 +33,13 @@ use std::sync::{Arc, OnceLock};
 use cudarc::driver::{result, sys, CudaContext, DriverError};
 use parking_lot::Mutex;
 
+use crate::engine::Engine;
+use crate::error::Error;
 use crate::layer::{
     Lease, Readiness, ReadySignal, SrcSpace, StageCopy, StageDone, Stager, StagingBuffer,
     StagingPool,
 };
-use crate::{Access, Engine, Error, RegionHandle};
+use crate::types::{Access, RegionHandle};
 
 /// What can go wrong with CUDA memory.
 #[derive(Debug, thiserror::Error)]

@@ -19,11 +19,13 @@ use std::time::{Duration, Instant};
 use crossbeam_channel::{Receiver, RecvTimeoutError, Sender};
 use parking_lot::{Condvar, Mutex};
 
+use crate::batch::Batch;
+use crate::engine::{Engine, Peer};
+use crate::layer::error::LayerError;
 use crate::layer::layout::{Extent, KvLayout, SrcSpace};
 use crate::layer::readiness::{Readiness, ReadySignal};
 use crate::layer::staging::{Lease, StageCopy, Stager};
-use crate::layer::LayerError;
-use crate::{Batch, BatchStats, Engine, Op, Peer, RegionId};
+use crate::types::{BatchStats, Op, RegionId};
 
 /// After a failure, how long past the deadline the worker still waits for in-flight work.
 const SETTLE_GRACE: Duration = Duration::from_secs(5);
@@ -268,7 +270,7 @@ impl LayerStream {
         std::thread::Builder::new()
             .name("kvwire-layers".into())
             .spawn(move || worker.run())
-            .map_err(|e| LayerError::Engine(crate::Error::Io(e)))?;
+            .map_err(|e| LayerError::Engine(crate::error::Error::Io(e)))?;
         Ok(LayerStream {
             tx,
             shared,

@@ -66,23 +66,23 @@ use std::time::{Duration, Instant};
 
 use parking_lot::{Mutex, RwLock};
 
-use super::tcp::OnDead;
-use super::{Dir, EstablishCtx, PeerTransport, Posted, Transport};
-use crate::batch::{BatchState, BatchStats, Pending};
-use crate::config::{EngineConfig, TransportKind};
-use crate::engine::CtrlWriter;
+use super::{EstablishCtx, OnDead, PeerTransport, Transport};
+use crate::batch::{BatchState, Pending, Posted};
+use crate::config::EngineConfig;
+use crate::ctrl::CtrlWriter;
 use crate::error::Error;
 use crate::mem::RegionMrs;
-use crate::region::{RegionEntry, RegionId};
-use crate::verbs::{
-    self, ConnectParams, Context, Cq, Endpoint, GidSelection, LinkLayer, Mtu, Pd, Qp, QpCaps,
-    RemoteSlice, SendOp, SendRequest, Sge, Verbs, VerbsError, WcStatus,
-};
+use crate::region::RegionEntry;
+use crate::types::{BatchStats, Dir, RegionId, TransportKind};
 use crate::wire::rdma::{
     blob_nonce, encode_blob, keys_per_msg, parse_blob, BlobDev, LaneOp, RdmaMsg, KEYS_REQ_PER_MSG,
     LINK_ETH_V4, LINK_ETH_V6, LINK_IB, MAX_DEVICES, MAX_LANES,
 };
 use crate::wire::{HostIdentity, ProtocolError, TRANSPORT_RDMA};
+use kvwire_verbs::{
+    ConnectParams, Context, Cq, Endpoint, GidSelection, LinkLayer, Mtu, Pd, Qp, QpCaps,
+    RemoteSlice, SendOp, SendRequest, Sge, Verbs, VerbsError, WcStatus,
+};
 
 /// Environment variable naming the RDMA device(s) when the config does not (comma list).
 pub(crate) const DEVICE_ENV: &str = "KVWIRE_RDMA_DEVICE";
@@ -518,12 +518,12 @@ impl RdmaTransport {
 
     /// Registers a region's memory with every device.
     pub fn add_region(&self, e: &RegionEntry) -> Result<(), Error> {
-        let mut access = verbs::Access::LOCAL_WRITE;
+        let mut access = kvwire_verbs::Access::LOCAL_WRITE;
         if e.access.remote_write() {
-            access = access | verbs::Access::REMOTE_WRITE;
+            access = access | kvwire_verbs::Access::REMOTE_WRITE;
         }
         if e.access.remote_read() {
-            access = access | verbs::Access::REMOTE_READ;
+            access = access | kvwire_verbs::Access::REMOTE_READ;
         }
         let mrs = RegionMrs::register(&e.mem, self.sh.devs.iter().map(|d| &d.pd), access).map_err(
             |(i, err)| {

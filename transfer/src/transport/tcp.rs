@@ -28,15 +28,17 @@ use std::time::Duration;
 use crossbeam_channel::{Receiver, Sender};
 use parking_lot::Mutex;
 
-use super::{mark_of, CopyMarks, Dir, Marked, PeerTransport, Posted, TargetCtx, MARK_ANY};
-use crate::batch::{BatchState, BatchStats, Pending, ReadSlice};
-use crate::config::TransportKind;
+use super::api::{EstablishCtx, OnDead, PeerTransport, Transport};
+use super::marks::{mark_of, CopyMarks, Marked, MARK_ANY};
+use super::target::TargetCtx;
+use crate::batch::{BatchState, Pending, Posted, ReadSlice};
 use crate::error::Error;
 use crate::mem::{send_parts, IoPart, RegionMem};
-use crate::region::{check_bounds, GateGuard, RegionEntry, RegionId};
+use crate::region::{check_bounds, GateGuard, RegionEntry};
+use crate::types::{BatchStats, Dir, RegionId, TransportKind};
 use crate::wire::{
     self, CtrlMsg, FrameHeader, FrameKind, LaneSide, ProtocolError, Stage, FLAG_TRACKED,
-    FRAME_HEADER_LEN,
+    FRAME_HEADER_LEN, TRANSPORT_TCP,
 };
 
 /// Batches up to this many bytes are written by the submitting thread when a lane is idle.
@@ -47,9 +49,6 @@ const MIN_STRIPE: u64 = 64 << 10;
 /// bytes of a large payload beyond what was buffered with its header go straight into region
 /// memory, so at most this much of a payload is copied twice.
 const READ_BUF: usize = 32 << 10;
-
-/// Called when the peer must be considered dead (lane broke, protocol violation).
-pub(crate) type OnDead = Arc<dyn Fn(String) + Send + Sync>;
 
 // ---------------------------------------------------------------- frame reader
 
@@ -785,5 +784,31 @@ impl PeerTransport for TcpPeer {
                 let _ = lane.sh.s.shutdown(Shutdown::Both);
             }
         }
+    }
+}
+
+/// The TCP transport (always available).
+pub(crate) struct TcpTransport;
+
+impl Transport for TcpTransport {
+    fn kind(&self) -> TransportKind {
+        TransportKind::Tcp
+    }
+    fn bit(&self) -> u8 {
+        TRANSPORT_TCP
+    }
+    fn establish(&self, ctx: EstablishCtx<'_>) -> Result<Arc<dyn PeerTransport>, Error> {
+        Ok(Arc::new(TcpPeer::new(
+            LaneTarget {
+                addr: ctx.lane_addr,
+                token: ctx.remote_token,
+                lanes: ctx.cfg.lanes,
+                timeout: ctx.cfg.connect_timeout,
+            },
+            ctx.cfg.slice_size,
+            ctx.pending,
+            ctx.on_dead,
+            ctx.marks,
+        )))
     }
 }

@@ -7,7 +7,7 @@ use super::msg::{
 use super::problem::{Layout, ProtocolError};
 use super::rw::{Reader, Writer};
 use crate::error::Error;
-use crate::region::RegionId;
+use crate::types::RegionId;
 
 impl CtrlMsg {
     fn kind(&self) -> u8 {

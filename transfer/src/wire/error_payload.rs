@@ -3,7 +3,7 @@
 use super::problem::ProtocolError;
 use super::rw::{Reader, Writer};
 use crate::error::Error;
-use crate::region::RegionId;
+use crate::types::RegionId;
 
 /// Encodes an error for an `Error` frame or a `Reject` message.
 pub fn encode_error(e: &Error) -> Vec<u8> {

@@ -6,7 +6,7 @@ use super::msg::{
 };
 use super::problem::{Layout, ProtocolError};
 use crate::error::Error;
-use crate::region::RegionId;
+use crate::types::RegionId;
 
 impl FrameKind {
     fn to_u8(self) -> u8 {

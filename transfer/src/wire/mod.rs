@@ -28,7 +28,7 @@ mod error_payload;
 pub(crate) mod fence;
 mod frame;
 mod msg;
-mod problem;
+pub(crate) mod problem;
 pub(crate) mod rdma;
 mod rw;
 pub(crate) mod shm;

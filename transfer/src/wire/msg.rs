@@ -1,6 +1,6 @@
 //! The types and constants of the wire format (their codecs are in the sibling modules).
 
-use crate::region::{Access, RegionId};
+use crate::types::{Access, RegionId};
 
 /// Protocol version spoken by this build. 3: notification fences (a `Transport` control message
 /// with bit 0x80) and per-device RDMA key requests; a version-2 peer is refused at the handshake

@@ -24,7 +24,7 @@ use kvwire_verbs::{Endpoint, Mtu};
 
 use super::msg::{CtrlMsg, MAX_TRANSPORT_MSG, TRANSPORT_RDMA};
 use super::problem::{Field, Layout, ProtocolError};
-use crate::region::RegionId;
+use crate::types::RegionId;
 
 /// At most this many devices per engine.
 pub(crate) const MAX_DEVICES: usize = 16;

@@ -2,7 +2,7 @@
 
 use super::msg::{HostIdentity, WireRegion, MAX_REGIONS_PER_MSG};
 use super::problem::{Field, Layout, ProtocolError};
-use crate::region::{Access, RegionId};
+use crate::types::{Access, RegionId};
 
 #[derive(Default)]
 pub(super) struct Writer {
