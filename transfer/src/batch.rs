@@ -37,6 +37,10 @@ pub(crate) struct Posted {
     pub timer: Arc<Timer>,
     /// When the batch was submitted (metrics: latency).
     pub start: Instant,
+    /// How long `Batch::wait` spins before parking (see [`EngineConfig::wait_spin`]).
+    ///
+    /// [`EngineConfig::wait_spin`]: crate::config::EngineConfig::wait_spin
+    pub spin: Duration,
 }
 
 /// Where a read slice lands locally.
@@ -71,6 +75,8 @@ pub(crate) struct BatchState {
     read: bool,
     /// When the batch was submitted (metrics: latency).
     start: Option<Instant>,
+    /// How long `Batch::wait` spins before parking.
+    spin: Duration,
 }
 
 /// See [`BatchState::set_on_fail`].
@@ -102,15 +108,17 @@ impl BatchState {
             on_fail: Mutex::new(None),
             read: false,
             start: None,
+            spin: DEFAULT_WAIT_SPIN,
         })
     }
 
-    /// Takes the direction and submit time of the batch it was created for (right after
+    /// Takes the direction, submit time and spin budget of the batch it was created for (right after
     /// `new`, while the state is not shared yet).
     pub fn posted_as(mut self: Arc<Self>, b: &Posted) -> Arc<Self> {
         if let Some(s) = Arc::get_mut(&mut self) {
             s.read = b.dir == Dir::Read;
             s.start = Some(b.start);
+            s.spin = b.spin;
         }
         self
     }
@@ -281,8 +289,9 @@ impl Batch {
     /// Blocks until the batch completes or its deadline passes (`Error::Timeout`).
     ///
     /// Before parking, the caller checks the completion flag for a short bounded time
-    /// (`KVWIRE_WAIT_SPIN_US`, default 30 µs): a small write completes within about one round
-    /// trip, and waking a parked thread costs about as much again. Set it to 0 to never spin.
+    /// ([`EngineConfig::wait_spin`](crate::EngineConfig::wait_spin), default 30 µs): a small
+    /// write completes within about one round trip, and waking a parked thread costs about as
+    /// much again. Set it to zero to never spin.
     pub fn wait(&self) -> Result<BatchStats, Error> {
         let s = &self.state;
         spin_until_done(s);
@@ -356,19 +365,13 @@ impl Future for Batch {
     }
 }
 
-fn spin_budget() -> Duration {
-    static US: std::sync::OnceLock<u64> = std::sync::OnceLock::new();
-    let us = *US.get_or_init(|| {
-        std::env::var("KVWIRE_WAIT_SPIN_US")
-            .ok()
-            .and_then(|v| v.parse().ok())
-            .unwrap_or(30)
-    });
-    Duration::from_micros(us.min(1000))
-}
+/// `Batch::wait`'s spin budget when the configuration does not set one.
+pub(crate) const DEFAULT_WAIT_SPIN: Duration = Duration::from_micros(30);
+/// The largest spin budget.
+pub(crate) const MAX_WAIT_SPIN: Duration = Duration::from_micros(1000);
 
 fn spin_until_done(s: &BatchState) {
-    let budget = spin_budget();
+    let budget = s.spin;
     if budget.is_zero() || s.is_done() {
         return;
     }

@@ -12,7 +12,7 @@ use crossbeam_channel::Sender;
 use parking_lot::{Mutex, RwLock};
 
 use crate::auth;
-use crate::batch::{Batch, Pending, Posted, Timer, Xfer};
+use crate::batch::{Batch, Pending, Posted, Timer, Xfer, DEFAULT_WAIT_SPIN, MAX_WAIT_SPIN};
 use crate::coalesce::coalesce;
 use crate::config::EngineConfig;
 use crate::ctrl::CtrlWriter;
@@ -762,6 +762,11 @@ impl Engine {
             deadline,
             timer: core.timer.clone(),
             start,
+            spin: core
+                .cfg
+                .wait_spin
+                .unwrap_or(DEFAULT_WAIT_SPIN)
+                .min(MAX_WAIT_SPIN),
         };
         let state = p.transport.post(posted, &p.pending)?;
         Ok(Batch { state })
@@ -1263,10 +1268,6 @@ fn allowed_transports(core: &Core) -> u8 {
     }
 }
 
-fn prefer_rdma() -> bool {
-    std::env::var("KVWIRE_PREFER_RDMA").is_ok_and(|v| v == "1")
-}
-
 fn kind_bit(k: TransportKind) -> u8 {
     match k {
         TransportKind::Shm => TRANSPORT_SHM,
@@ -1285,9 +1286,9 @@ fn choose_transport(
 ) -> Result<TransportKind, Error> {
     let ours = allowed_transports(core);
     let both = ours & theirs;
-    // Shared memory before RDMA on one host, unless `KVWIRE_PREFER_RDMA=1`.
+    // Shared memory before RDMA on one host, unless `EngineConfig::prefer_rdma`.
     let mut order: Vec<&dyn Transport> = core.transports.iter().map(|t| t.as_ref()).collect();
-    if prefer_rdma() {
+    if core.cfg.prefer_rdma.unwrap_or(false) {
         order.sort_by_key(|t| t.kind() != TransportKind::Rdma);
     }
     for t in order {

@@ -12,8 +12,8 @@
 //! verbs device per engine, one-sided WRITE/READ striped over `lanes` queue pairs, every region
 //! registered as a memory region so the NIC enforces its bounds; offered only when libibverbs
 //! loads at run time and a device is usable). [`TransportKind::Auto`] picks shm when both
-//! engines share a host, rdma when both offer it (first, with `KVWIRE_PREFER_RDMA=1`), tcp
-//! otherwise.
+//! engines share a host, rdma when both offer it (first, with
+//! [`EngineConfig::prefer_rdma`]), tcp otherwise.
 //!
 //! ```
 //! use kvwire_transfer::{Access, Engine, EngineConfig, Op};

@@ -12,7 +12,7 @@ pub enum TransportKind {
     Shm,
     /// Always RDMA (RC queue pairs); `Engine::new` fails with `Error::Unsupported` when no
     /// RDMA device is usable here. `Auto` uses RDMA towards peers that offer it when shm is
-    /// not possible (another host), or first when `KVWIRE_PREFER_RDMA=1`.
+    /// not possible (another host), or first with `EngineConfig::prefer_rdma`.
     Rdma,
 }
 

@@ -1,10 +1,11 @@
 //! RDMA transport: RC queue pairs over one or several verbs devices per engine, one-sided WRITE
 //! and READ.
 //!
-//! * **Devices**: the engine opens every device it is given ([`crate::EngineConfig::rdma_devices`],
-//!   else [`crate::EngineConfig::rdma_device`], else `$KVWIRE_RDMA_DEVICE`; the last two may be
-//!   comma lists) or, when none is named, every device with an active port (in natural name
-//!   order: `mlx5_2` before `mlx5_10`). Each device gets one PD, one CQ with its completion
+//! * **Devices**: the engine opens every device it is given
+//!   ([`crate::EngineConfig::rdma_devices`], else [`crate::EngineConfig::rdma_device`], else
+//!   [`crate::EngineConfig::rdma_device_fallback`], which `EngineConfig::from_env` fills from
+//!   `$KVWIRE_RDMA_DEVICE`; the last two may be comma lists) or, when none is named, every
+//!   device with an active port (in natural name order: `mlx5_2` before `mlx5_10`). Each device gets one PD, one CQ with its completion
 //!   channel and one completion thread that sleeps on the channel when idle (a short bounded
 //!   poll burst first, inside `Cq::wait`). See `docs/rdma_hardware_plan.md` for why "all active
 //!   devices" is the default and when to name devices instead (NUMA/PCIe locality).
@@ -13,7 +14,7 @@
 //!   the NIC enforces the region's bounds and rights. The rkey on the first device and the
 //!   address travel in the region announcements (`WireRegion::rkey`, `WireRegion::addr`); the
 //!   rkeys on the other devices are fetched by the initiator over the control connection the
-//!   first time it writes to or reads from the region (`MSG_KEYS_REQ`/`MSG_KEYS`); until they
+//!   first time it writes to or reads from the region (key request and answer, `wire::rdma`); until they
 //!   arrive, that region's slices use the queue pairs that reach the remote's first device. The
 //!   MR holds the region memory alive; an in-flight work request holds its MR alive.
 //! * **Device pairs**: the handshake blob lists our devices (port, GID index, MTU, link class)
@@ -29,16 +30,16 @@
 //!   striped round-robin over the healthy lanes (of every device pair) whose remote device key
 //!   is known; each lane posts its WRs as one chain, at most the QP's send depth outstanding
 //!   (the rest waits in the lane's backlog, posted by the completion thread as slots free).
-//!   One WR in `$KVWIRE_RDMA_SIGNAL_EVERY` (default 1: all) and the last of every chain are
+//!   One WR in [`crate::EngineConfig::rdma_signal_every`] (default 1: all) and the last of every chain are
 //!   signalled (`signal_plan`); a signalled WR's *successful* completion also completes the
 //!   unsignalled WRs before it on its QP (RC completes in order; failed and flushed WRs always
 //!   report). When the signalled WR fails or is flushed, the unsignalled WRs it covers that are
 //!   still on that QP are not inferred done: they are posted again like flushed ones
 //!   (`covered_outcome`; WRITE and READ are idempotent). A completion is accepted only from
 //!   the QP its WR is posted on now (`completion_is_current`); one from a QP the WR left is
-//!   ignored. Values above 1 are still experimental (see `SIGNAL_ENV`).
+//!   ignored. Values above 1 are still experimental (see that field).
 //! * **Completion threads**: one per device; after a round that reaped completions, while WRs
-//!   are on the NIC, the CQ is polled for up to `$KVWIRE_RDMA_POLL_US` (default 0: off) before
+//!   are on the NIC, the CQ is polled for up to [`crate::EngineConfig::rdma_poll`] (default 0: off) before
 //!   the thread arms it and sleeps on the completion channel (never polled while idle).
 //! * **Completion**: when every WR of a batch completed, its notification (if any) is sent over
 //!   the control connection (so it always follows the data) with the engine's fence, and the
@@ -68,7 +69,7 @@ use parking_lot::{Mutex, RwLock};
 
 use super::{EstablishCtx, OnDead, PeerTransport, Transport};
 use crate::batch::{BatchState, Pending, Posted};
-use crate::config::EngineConfig;
+use crate::config::{EngineConfig, RDMA_SIGNAL_ENV};
 use crate::ctrl::CtrlWriter;
 use crate::error::Error;
 use crate::mem::RegionMrs;
@@ -81,11 +82,9 @@ use crate::wire::rdma::{
 use crate::wire::{HostIdentity, ProtocolError, TRANSPORT_RDMA};
 use kvwire_verbs::{
     ConnectParams, Context, Cq, Endpoint, GidSelection, LinkLayer, Mtu, Pd, Qp, QpCaps,
-    RemoteSlice, SendOp, SendRequest, Sge, Verbs, VerbsError, WcStatus,
+    RemoteSlice, SendOp, SendRequest, Sge, Verbs, VerbsError, WcStatus, DEFAULT_LIBRARY,
 };
 
-/// Environment variable naming the RDMA device(s) when the config does not (comma list).
-pub(crate) const DEVICE_ENV: &str = "KVWIRE_RDMA_DEVICE";
 /// Unclaimed pre-created QP sets live this long beyond the connect timeout.
 const PRE_EXPIRY_SLACK: Duration = Duration::from_secs(5);
 /// At most this many unclaimed QP sets at once (beyond: RDMA is not offered in that handshake).
@@ -104,42 +103,14 @@ const MAX_KEYS: usize = 1 << 16;
 /// Tracing target of the per-work-request events (posted, completion, re-posted) and of lane
 /// breaks and re-establishments, for diagnosing the data path (`trace`/`debug` level).
 pub(crate) const WR_TRACE: &str = "kvwire::rdma::wr";
-/// Environment variable: signal one WR in this many of a chain (the last one of every chain is
-/// always signalled); 1 = every WR (the default). Experimental and not safe: with 16, in-VM runs
-/// of the multi-device suite saw READ batches complete with one 64 KiB slice not landed (2 of
-/// 5 runs, 1 of 4 with the checks below; always READs over two devices, while WRITEs and
-/// single-device READs always verified). The
-/// accounting never infers success from an error path and rejects completions from a QP a WR
-/// has left (`covered_outcome`, `completion_is_current`, unit-tested), which did not remove the
-/// failure; a traced run showed every covered WR posted on the signalled WR's QP before it.
-/// Since found with every WR signalled too (`tests/rdma_read_stress_vm.rs`): rxe (Linux 6.1)
-/// reports a READ *successful* whose data never landed and moves its QP to the error state
-/// (the rest of the QP flushes, with no error completion), when packets are dropped on the
-/// veth pair under load. The engine posts such a WR again while its batch is in flight
-/// (`repost_suspect`); a batch that already completed cannot be repaired (logged). Off until
-/// proven on hardware with a verbs-level probe (unsignalled READ chains, data checked at the
-/// signalled completion).
-pub(crate) const SIGNAL_ENV: &str = "KVWIRE_RDMA_SIGNAL_EVERY";
+/// Signal one WR in this many when the configuration does not say
+/// ([`EngineConfig::rdma_signal_every`]: experimental above 1).
 const SIGNAL_EVERY: usize = 1;
-/// Environment variable: how long (µs) a completion thread keeps polling its CQ after a
-/// completion while WRs are still on the NIC, before it arms the CQ and sleeps; 0 = never
-/// (the default: in the SoftRoCE VM a 200 µs window halved serial 64 KiB throughput, the
-/// spinning thread taking a vCPU from the emulated NIC; to be measured on real NICs).
-pub(crate) const POLL_ENV: &str = "KVWIRE_RDMA_POLL_US";
+/// The completion threads' poll window when the configuration does not say
+/// ([`EngineConfig::rdma_poll`]; 0 = never).
 const POLL_US: u64 = 0;
-
-fn env_knob(name: &str, default: u64, max: u64) -> u64 {
-    match std::env::var(name) {
-        Ok(v) => match v.trim().parse::<u64>() {
-            Ok(n) => n.min(max),
-            Err(_) => {
-                tracing::warn!(var = name, value = %v, "not a number; using the default");
-                default
-            }
-        },
-        Err(_) => default,
-    }
-}
+/// The largest poll window.
+const MAX_POLL_US: u64 = 10_000;
 
 /// A registered region: one MR per device and the memory they cover (kept alive next to them).
 pub(crate) struct MrSet {
@@ -272,9 +243,9 @@ fn wanted_devices(cfg: &EngineConfig) -> Option<Vec<String>> {
             return Some(v);
         }
     }
-    std::env::var(DEVICE_ENV)
-        .ok()
-        .map(|s| device_list(&s))
+    cfg.rdma_device_fallback
+        .as_deref()
+        .map(device_list)
         .filter(|v| !v.is_empty())
 }
 
@@ -315,7 +286,12 @@ impl RdmaTransport {
     /// usable device), with the reason logged. A device named in the configuration that cannot
     /// be opened is an error.
     pub fn open(cfg: &EngineConfig) -> Result<Option<RdmaTransport>, Error> {
-        let verbs = match Verbs::load() {
+        let path = cfg
+            .ibverbs_path
+            .as_deref()
+            .filter(|p| !p.is_empty())
+            .unwrap_or(DEFAULT_LIBRARY);
+        let verbs = match Verbs::load_from(path) {
             Ok(v) => v,
             Err(e) => {
                 tracing::debug!(error = %e, "libibverbs not available: no rdma transport");
@@ -366,11 +342,14 @@ impl RdmaTransport {
         if devs.is_empty() {
             return Ok(None);
         }
-        let signal_every =
-            env_knob(SIGNAL_ENV, SIGNAL_EVERY as u64, u64::from(QP_DEPTH)).max(1) as usize;
+        let signal_every = cfg
+            .rdma_signal_every
+            .unwrap_or(SIGNAL_EVERY as u64)
+            .min(u64::from(QP_DEPTH))
+            .max(1) as usize;
         if signal_every > 1 {
             tracing::warn!(
-                var = SIGNAL_ENV,
+                var = RDMA_SIGNAL_ENV,
                 value = signal_every,
                 "selective signalling is an unfinished experiment (in the SoftRoCE VM, READ \
                  batches over two devices were seen completing with a slice unwritten); do not \
@@ -384,7 +363,10 @@ impl RdmaTransport {
             next_peer: AtomicU32::new(1),
             stop: AtomicBool::new(false),
             signal_every,
-            poll: Duration::from_micros(env_knob(POLL_ENV, POLL_US, 10_000)),
+            poll: cfg
+                .rdma_poll
+                .unwrap_or(Duration::from_micros(POLL_US))
+                .min(Duration::from_micros(MAX_POLL_US)),
         });
         for d in &sh.devs {
             let (s2, i) = (sh.clone(), d.index);
