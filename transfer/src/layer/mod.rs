@@ -18,14 +18,17 @@
 
 mod error;
 mod layout;
+mod options;
 mod readiness;
 mod staging;
 mod stream;
+mod worker;
 
 pub use error::LayerError;
 pub use layout::{
     coalesce_extents, synthetic_block_tables, Extent, KvLayout, KvOrder, KvPlacement, SrcSpace,
 };
+pub use options::{BlockLists, LayerStats, StreamOptions, StreamStats};
 pub use readiness::{HostFlag, Immediate, Readiness, ReadySignal};
 pub use staging::{HostStager, Lease, StageCopy, StageDone, Stager, StagingBuffer, StagingPool};
-pub use stream::{BlockLists, LayerStats, LayerStream, StreamOptions, StreamStats};
+pub use stream::LayerStream;
