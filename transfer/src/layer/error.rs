@@ -28,7 +28,8 @@ pub enum LayerError {
         /// Why.
         reason: String,
     },
-    /// The stream was aborted ([`LayerStream::abort`], or its handle was dropped).
+    /// The stream was aborted ([`LayerStream::abort`](crate::layer::LayerStream::abort), or its
+    /// handle was dropped).
     #[error("stream aborted: {0}")]
     Aborted(String),
     /// The stream's deadline passed before every layer landed.

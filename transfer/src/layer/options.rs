@@ -42,7 +42,8 @@ pub struct StreamOptions {
     pub tag: Option<Vec<u8>>,
     /// Deadline for the whole stream, from `open`.
     pub deadline: Duration,
-    /// Stager for source memory the engine cannot send from ([`SrcSpace::Device`]).
+    /// Stager for source memory the engine cannot send from
+    /// ([`SrcSpace::Device`](crate::layer::SrcSpace::Device)).
     pub stager: Option<Arc<dyn Stager>>,
 }
 

@@ -9,6 +9,7 @@ use super::rw::{Reader, Writer};
 use crate::error::Error;
 use crate::types::RegionId;
 
+// The encoders and decoders are public for the tests only (see `wire/mod.rs`).
 impl CtrlMsg {
     fn kind(&self) -> u8 {
         match self {
@@ -28,6 +29,7 @@ impl CtrlMsg {
     }
 
     /// Encodes header + body.
+    #[doc(hidden)]
     pub fn encode(&self) -> Vec<u8> {
         let mut w = Writer::default();
         w.buf.extend_from_slice(&CTRL_MAGIC);
@@ -108,6 +110,7 @@ impl CtrlMsg {
 
     /// Decodes a control header: returns (version, kind, body length). The version is returned,
     /// not checked, so a peer's `Reject` for a version mismatch can still be read.
+    #[doc(hidden)]
     pub fn decode_header(b: &[u8]) -> Result<(u16, u8, u32), Error> {
         if b.len() < CTRL_HEADER_LEN {
             return Err(ProtocolError::Truncated {
@@ -139,6 +142,7 @@ impl CtrlMsg {
     }
 
     /// Decodes a body of the given kind. Trailing bytes are an error.
+    #[doc(hidden)]
     pub fn decode_body(kind: u8, b: &[u8]) -> Result<CtrlMsg, Error> {
         let mut r = Reader::new(b);
         let m = match kind {
@@ -213,6 +217,7 @@ impl CtrlMsg {
     }
 
     /// Decodes a whole message (header + body) from a buffer.
+    #[doc(hidden)]
     pub fn decode(b: &[u8]) -> Result<CtrlMsg, Error> {
         let (version, kind, len) = Self::decode_header(b)?;
         let body = &b[CTRL_HEADER_LEN..];

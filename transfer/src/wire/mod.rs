@@ -33,12 +33,20 @@ pub(crate) mod rdma;
 mod rw;
 pub(crate) mod shm;
 
-pub use ctrl::read_ctrl;
-pub use error_payload::{decode_error, encode_error};
 pub use msg::{
-    CtrlMsg, FrameHeader, FrameKind, HostIdentity, WireRegion, CTRL_HEADER_LEN, CTRL_MAGIC,
-    FLAG_TRACKED, FRAME_HEADER_LEN, FRAME_MAGIC, MAX_CTRL_BODY, MAX_ERROR_PAYLOAD,
+    CtrlMsg, FrameKind, HostIdentity, WireRegion, MAX_CTRL_BODY, MAX_ERROR_PAYLOAD,
     MAX_REGIONS_PER_MSG, MAX_SLICE, MAX_TAG, MAX_TRANSPORT_MSG, PROTOCOL_VERSION, TRANSPORT_RDMA,
     TRANSPORT_SHM, TRANSPORT_TCP,
 };
 pub use problem::{Field, LaneSide, Layout, ProtocolError, Stage};
+
+// The codec's entry points and header layouts are public for the tests only (fuzzing the
+// decoders, raw peers that speak the protocol by hand); the engine is their one real user.
+#[doc(hidden)]
+pub use ctrl::read_ctrl;
+#[doc(hidden)]
+pub use error_payload::{decode_error, encode_error};
+#[doc(hidden)]
+pub use msg::{
+    FrameHeader, CTRL_HEADER_LEN, CTRL_MAGIC, FLAG_TRACKED, FRAME_HEADER_LEN, FRAME_MAGIC,
+};
