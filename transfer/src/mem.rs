@@ -1,4 +1,5 @@
-//! Raw memory: the one module of the engine that touches pointers.
+//! Raw memory: the one module of the engine that touches region memory through pointers (the
+//! other `unsafe` of the crate is the CUDA driver calls in `cuda`).
 //!
 //! Everything that reads or writes region memory goes through [`RegionMem`], whose methods
 //! check bounds themselves (so they are sound whatever the caller passes) and never hand a
