@@ -393,7 +393,8 @@ impl PyEngine {
             listen: parse_addr(listen)?,
             secret,
             transport: parse_transport(transport)?,
-            ..EngineConfig::default()
+            // The KVWIRE_* knobs of the environment apply to engines made from Python.
+            ..EngineConfig::from_env()
         };
         if let Some(l) = lanes {
             if l == 0 {

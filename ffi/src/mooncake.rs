@@ -626,7 +626,8 @@ impl TransferEngine {
             listen,
             transport,
             default_deadline: timeout,
-            ..EngineConfig::default()
+            // The KVWIRE_* knobs of the environment apply to the drop-in's engine.
+            ..EngineConfig::from_env()
         };
         let res = py.detach(|| -> Result<Inner, MError> {
             let engine = Engine::new(cfg)?;

@@ -89,7 +89,8 @@ pub fn transport_name(t: TransportKind) -> String {
 /// whether every byte checked out).
 pub fn run(cfg: &RunConfig) -> Result<Report, BenchError> {
     cfg.plan.validate().map_err(BenchError::Plan)?;
-    let defaults = EngineConfig::default();
+    // KVWIRE_* knobs (tests/vm/bench_rdma.sh sets the RDMA ones).
+    let defaults = EngineConfig::from_env();
     let engine = Engine::new(EngineConfig {
         listen: cfg.listen,
         secret: cfg.secret.clone(),

@@ -370,7 +370,7 @@ fn serve_child(a: &LayerwiseArgs) -> Result<ExitCode, BenchError> {
     let e = eng(
         Engine::new(EngineConfig {
             transport,
-            ..EngineConfig::default()
+            ..EngineConfig::from_env()
         }),
         "starting the target engine",
     )?;
@@ -454,7 +454,7 @@ fn run_transport(
         Engine::new(EngineConfig {
             transport: t,
             metrics_addr: a.metrics_addr,
-            ..EngineConfig::default()
+            ..EngineConfig::from_env()
         }),
         "starting the initiator engine",
     )?;

@@ -85,7 +85,8 @@ impl Target {
             listen: cfg.listen,
             secret: cfg.secret.clone(),
             transport: cfg.transport,
-            ..EngineConfig::default()
+            // KVWIRE_* knobs (tests/vm/bench_rdma.sh sets the RDMA ones).
+            ..EngineConfig::from_env()
         };
         let engine =
             Engine::new(ecfg).ctx(|| format!("starting the target engine on {}", cfg.listen))?;

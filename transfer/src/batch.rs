@@ -10,25 +10,37 @@ use std::time::{Duration, Instant};
 
 use parking_lot::{Condvar, Mutex};
 
-use crate::config::TransportKind;
 use crate::error::Error;
 use crate::metrics::PeerObs;
 use crate::region::RegionEntry;
-use crate::transport::{Dir, Posted};
+use crate::types::{BatchStats, Dir};
+use crate::wire::WireRegion;
 
-/// What a completed batch did.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub struct BatchStats {
-    /// Payload bytes.
-    pub bytes: u64,
-    /// Ops submitted.
+/// One validated transfer (after coalescing).
+pub(crate) struct Xfer {
+    pub local: Arc<RegionEntry>,
+    pub local_offset: u64,
+    pub remote: WireRegion,
+    pub remote_offset: u64,
+    pub len: u64,
+}
+
+/// A batch ready to post.
+pub(crate) struct Posted {
+    pub id: u64,
+    pub dir: Dir,
+    pub xfers: Vec<Xfer>,
+    pub notify: Option<Vec<u8>>,
     pub ops: usize,
-    /// Transfers after coalescing.
-    pub writes: usize,
-    /// Wire slices (TCP frames with payload; shm copies).
-    pub slices: usize,
-    /// Transport that carried the batch.
-    pub transport: TransportKind,
+    pub bytes: u64,
+    pub deadline: Instant,
+    pub timer: Arc<Timer>,
+    /// When the batch was submitted (metrics: latency).
+    pub start: Instant,
+    /// How long `Batch::wait` spins before parking (see [`EngineConfig::wait_spin`]).
+    ///
+    /// [`EngineConfig::wait_spin`]: crate::config::EngineConfig::wait_spin
+    pub spin: Duration,
 }
 
 /// Where a read slice lands locally.
@@ -63,6 +75,8 @@ pub(crate) struct BatchState {
     read: bool,
     /// When the batch was submitted (metrics: latency).
     start: Option<Instant>,
+    /// How long `Batch::wait` spins before parking.
+    spin: Duration,
 }
 
 /// See [`BatchState::set_on_fail`].
@@ -94,15 +108,17 @@ impl BatchState {
             on_fail: Mutex::new(None),
             read: false,
             start: None,
+            spin: DEFAULT_WAIT_SPIN,
         })
     }
 
-    /// Takes the direction and submit time of the batch it was created for (right after
+    /// Takes the direction, submit time and spin budget of the batch it was created for (right after
     /// `new`, while the state is not shared yet).
     pub fn posted_as(mut self: Arc<Self>, b: &Posted) -> Arc<Self> {
         if let Some(s) = Arc::get_mut(&mut self) {
             s.read = b.dir == Dir::Read;
             s.start = Some(b.start);
+            s.spin = b.spin;
         }
         self
     }
@@ -273,8 +289,9 @@ impl Batch {
     /// Blocks until the batch completes or its deadline passes (`Error::Timeout`).
     ///
     /// Before parking, the caller checks the completion flag for a short bounded time
-    /// (`KVWIRE_WAIT_SPIN_US`, default 30 µs): a small write completes within about one round
-    /// trip, and waking a parked thread costs about as much again. Set it to 0 to never spin.
+    /// ([`EngineConfig::wait_spin`](crate::EngineConfig::wait_spin), default 30 µs): a small
+    /// write completes within about one round trip, and waking a parked thread costs about as
+    /// much again. Set it to zero to never spin.
     pub fn wait(&self) -> Result<BatchStats, Error> {
         let s = &self.state;
         spin_until_done(s);
@@ -348,19 +365,13 @@ impl Future for Batch {
     }
 }
 
-fn spin_budget() -> Duration {
-    static US: std::sync::OnceLock<u64> = std::sync::OnceLock::new();
-    let us = *US.get_or_init(|| {
-        std::env::var("KVWIRE_WAIT_SPIN_US")
-            .ok()
-            .and_then(|v| v.parse().ok())
-            .unwrap_or(30)
-    });
-    Duration::from_micros(us.min(1000))
-}
+/// `Batch::wait`'s spin budget when the configuration does not set one.
+pub(crate) const DEFAULT_WAIT_SPIN: Duration = Duration::from_micros(30);
+/// The largest spin budget.
+pub(crate) const MAX_WAIT_SPIN: Duration = Duration::from_micros(1000);
 
 fn spin_until_done(s: &BatchState) {
-    let budget = spin_budget();
+    let budget = s.spin;
     if budget.is_zero() || s.is_done() {
         return;
     }
@@ -460,6 +471,7 @@ impl Timer {
 #[cfg(test)]
 mod hook_tests {
     use super::*;
+    use crate::types::TransportKind;
 
     fn stats() -> BatchStats {
         BatchStats {

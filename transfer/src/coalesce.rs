@@ -1,6 +1,6 @@
 //! Coalescing: ops adjacent on both sides become one write.
 
-use crate::Op;
+use crate::types::Op;
 
 /// Merges ops that are adjacent on both sides (same local and remote region, and
 /// `local_offset + len == next.local_offset`, `remote_offset + len == next.remote_offset`),

@@ -1,24 +1,31 @@
-//! Engine configuration.
+//! Engine configuration, and the only place in this crate that reads `KVWIRE_*` environment
+//! variables ([`EngineConfig::from_env`]).
 
 use std::net::SocketAddr;
 use std::time::Duration;
 
-/// Which transport to use towards peers.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
-pub enum TransportKind {
-    /// Shared memory when both peers run on one host (same boot id and namespaces), TCP otherwise.
-    Auto,
-    /// Always TCP.
-    Tcp,
-    /// Always shared memory; connecting to a peer on another host fails with `Error::Unsupported`.
-    Shm,
-    /// Always RDMA (RC queue pairs); `Engine::new` fails with `Error::Unsupported` when no
-    /// RDMA device is usable here. `Auto` uses RDMA towards peers that offer it when shm is
-    /// not possible (another host), or first when `KVWIRE_PREFER_RDMA=1`.
-    Rdma,
-}
+use crate::types::TransportKind;
 
-/// Engine configuration. `EngineConfig::default()` listens on an ephemeral loopback port.
+/// Environment variable of [`EngineConfig::wait_spin`] (µs).
+pub(crate) const WAIT_SPIN_ENV: &str = "KVWIRE_WAIT_SPIN_US";
+/// Environment variable of [`EngineConfig::prefer_rdma`] (`1` = prefer).
+pub(crate) const PREFER_RDMA_ENV: &str = "KVWIRE_PREFER_RDMA";
+/// Environment variable of [`EngineConfig::rdma_device_fallback`] (a name or a comma list).
+pub(crate) const RDMA_DEVICE_ENV: &str = "KVWIRE_RDMA_DEVICE";
+/// Environment variable of [`EngineConfig::rdma_signal_every`].
+pub(crate) const RDMA_SIGNAL_ENV: &str = "KVWIRE_RDMA_SIGNAL_EVERY";
+/// Environment variable of [`EngineConfig::rdma_poll`] (µs).
+pub(crate) const RDMA_POLL_ENV: &str = "KVWIRE_RDMA_POLL_US";
+/// Environment variable of [`EngineConfig::ibverbs_path`] (the same one
+/// `kvwire_verbs::Verbs::load` reads).
+pub(crate) const IBVERBS_PATH_ENV: &str = kvwire_verbs::LIBRARY_ENV;
+
+/// Engine configuration. `EngineConfig::default()` listens on an ephemeral loopback port and
+/// reads nothing from the environment; [`EngineConfig::from_env`] is the default with the
+/// `KVWIRE_*` knobs of the environment filled in (start from it, `..EngineConfig::from_env()`,
+/// where those knobs should apply).
+///
+/// The knob fields are `Option`s: `None` is the built-in default.
 #[derive(Clone, Debug)]
 pub struct EngineConfig {
     /// Listen address (port 0 = ephemeral).
@@ -36,15 +43,15 @@ pub struct EngineConfig {
     /// Deadline for connecting and the handshake.
     pub connect_timeout: Duration,
     /// RDMA device to use (e.g. `mlx5_0`, `rxe0`; a comma list names several). Ignored when
-    /// [`EngineConfig::rdma_devices`] is not empty; `None` = `$KVWIRE_RDMA_DEVICE` (also a
-    /// comma list), else every device with an active port. RDMA is offered only when
-    /// libibverbs loads (`$KVWIRE_IBVERBS_PATH` overrides its path) and a device is usable; a
-    /// named device that cannot be opened makes `Engine::new` fail.
+    /// [`EngineConfig::rdma_devices`] is not empty; `None` (or a blank list) =
+    /// [`EngineConfig::rdma_device_fallback`], else every device with an active port. RDMA is
+    /// offered only when libibverbs loads ([`EngineConfig::ibverbs_path`]) and a device is
+    /// usable; a named device that cannot be opened makes `Engine::new` fail.
     pub rdma_device: Option<String>,
     /// RDMA devices to use, in order (slices are striped over queue pairs on all of them);
-    /// empty = [`EngineConfig::rdma_device`], `$KVWIRE_RDMA_DEVICE`, else every device with an
-    /// active port. On multi-NIC nodes name the NICs close to the memory being transferred
-    /// (see `docs/rdma_hardware_plan.md`).
+    /// empty = [`EngineConfig::rdma_device`], [`EngineConfig::rdma_device_fallback`], else
+    /// every device with an active port. On multi-NIC nodes name the NICs close to the memory
+    /// being transferred (see `docs/rdma_hardware_plan.md`).
     pub rdma_devices: Vec<String>,
     /// Record engine metrics ([`crate::Engine::metrics`]); `false` skips every per-batch
     /// counter update (the snapshot then shows zeros for batch counters).
@@ -52,6 +59,48 @@ pub struct EngineConfig {
     /// Serve the metrics in the Prometheus text format at `GET /metrics` on this address
     /// (`None` = no endpoint; port 0 = ephemeral, see [`crate::Engine::metrics_addr`]).
     pub metrics_addr: Option<SocketAddr>,
+    /// How long [`crate::Batch::wait`] checks the completion flag before it parks the thread
+    /// (a small write completes within about one round trip, and waking a parked thread costs
+    /// about as much again); capped at 1 ms, zero = never spin. `None` = 30 µs.
+    /// Environment: `KVWIRE_WAIT_SPIN_US` (µs; a value that is not a number is ignored).
+    pub wait_spin: Option<Duration>,
+    /// With [`TransportKind::Auto`], try RDMA before shared memory towards a peer on the same
+    /// host (`true`). `None` = `false` (shared memory first on one host, RDMA to other hosts).
+    /// Environment: `KVWIRE_PREFER_RDMA` (`1` = `true`, anything else `false`).
+    pub prefer_rdma: Option<bool>,
+    /// RDMA devices (a name or a comma list) used when neither
+    /// [`EngineConfig::rdma_devices`] nor [`EngineConfig::rdma_device`] names one. `None` (or
+    /// a blank list) = every device with an active port. Environment: `KVWIRE_RDMA_DEVICE`.
+    pub rdma_device_fallback: Option<String>,
+    /// RDMA: signal one work request in this many of a chain (the last one of every chain is
+    /// always signalled); capped at the queue pair depth (256). `None` (or 0) = 1: every work
+    /// request. Environment: `KVWIRE_RDMA_SIGNAL_EVERY` (a value that is not a number is
+    /// ignored, with a warning).
+    ///
+    /// Values above 1 are experimental and not safe: with 16, in-VM runs of the multi-device
+    /// suite saw READ batches complete with one 64 KiB slice not landed (2 of 5 runs, 1 of 4
+    /// with the checks below; always READs over two devices, while WRITEs and single-device
+    /// READs always verified). The accounting never infers success from an error path and
+    /// rejects completions from a QP a work request has left (unit-tested), which did not
+    /// remove the failure; a traced run showed every covered work request posted on the
+    /// signalled one's QP before it. Since found with every work request signalled too
+    /// (`tests/rdma_read_stress_vm.rs`): rxe (Linux 6.1) reports a READ *successful* whose data
+    /// never landed and moves its QP to the error state (the rest of the QP flushes, with no
+    /// error completion), when packets are dropped on the veth pair under load. The engine
+    /// posts such a work request again while its batch is in flight; a batch that already
+    /// completed cannot be repaired (logged). Off until proven on hardware with a verbs-level
+    /// probe (unsignalled READ chains, data checked at the signalled completion).
+    pub rdma_signal_every: Option<u64>,
+    /// RDMA: how long a completion thread keeps polling its completion queue after a
+    /// completion while work requests are still on the NIC, before it arms the queue and
+    /// sleeps; capped at 10 ms. `None` = zero: never (in the SoftRoCE VM a 200 µs window halved
+    /// serial 64 KiB throughput, the spinning thread taking a vCPU from the emulated NIC; to be
+    /// measured on real NICs). Environment: `KVWIRE_RDMA_POLL_US` (µs; a value that is not a
+    /// number is ignored, with a warning).
+    pub rdma_poll: Option<Duration>,
+    /// Path or soname of libibverbs, loaded at run time. `None` (or empty) =
+    /// `libibverbs.so.1`. Environment: `KVWIRE_IBVERBS_PATH`.
+    pub ibverbs_path: Option<String>,
 }
 
 impl Default for EngineConfig {
@@ -68,6 +117,53 @@ impl Default for EngineConfig {
             rdma_devices: Vec::new(),
             metrics: true,
             metrics_addr: None,
+            wait_spin: None,
+            prefer_rdma: None,
+            rdma_device_fallback: None,
+            rdma_signal_every: None,
+            rdma_poll: None,
+            ibverbs_path: None,
+        }
+    }
+}
+
+impl EngineConfig {
+    /// The default configuration with every knob whose `KVWIRE_*` environment variable is set
+    /// filled in from it (see each field). This is the only code of the engine that reads the
+    /// environment: [`EngineConfig::default`] and `Engine::new` do not.
+    pub fn from_env() -> Self {
+        EngineConfig {
+            wait_spin: std::env::var(WAIT_SPIN_ENV)
+                .ok()
+                .and_then(|v| v.parse::<u64>().ok())
+                .map(Duration::from_micros),
+            prefer_rdma: std::env::var(PREFER_RDMA_ENV).ok().map(|v| v == "1"),
+            rdma_device_fallback: std::env::var(RDMA_DEVICE_ENV).ok(),
+            rdma_signal_every: number_knob(RDMA_SIGNAL_ENV),
+            rdma_poll: number_knob(RDMA_POLL_ENV).map(Duration::from_micros),
+            ibverbs_path: match std::env::var_os(IBVERBS_PATH_ENV) {
+                Some(p) if !p.is_empty() => Some(p.to_string_lossy().into_owned()),
+                _ => None,
+            },
+            ..EngineConfig::default()
+        }
+    }
+}
+
+/// A numeric knob: `None` when unset, or (with a warning) when it is not a number.
+fn number_knob(name: &str) -> Option<u64> {
+    let v = std::env::var(name).ok()?;
+    match v.trim().parse::<u64>() {
+        Ok(n) => Some(n),
+        Err(_) => {
+            // The RDMA transport read these knobs before they moved here: same event, target.
+            tracing::warn!(
+                target: "kvwire_transfer::transport::rdma",
+                var = name,
+                value = %v,
+                "not a number; using the default"
+            );
+            None
         }
     }
 }

@@ -1,6 +1,7 @@
 //! The engine's error type.
 
-use crate::region::RegionId;
+use crate::types::RegionId;
+use crate::wire::problem::ProtocolError;
 
 /// Everything that can go wrong in the engine, typed so callers can react.
 #[derive(Debug, thiserror::Error)]
@@ -11,7 +12,7 @@ pub enum Error {
     Io(#[from] std::io::Error),
     /// The peer sent something that does not follow the wire protocol.
     #[error("protocol error: {0}")]
-    Protocol(String),
+    Protocol(#[from] ProtocolError),
     /// The two engines speak different protocol versions.
     #[error("protocol version mismatch: ours {ours}, theirs {theirs}")]
     VersionMismatch {
@@ -61,13 +62,16 @@ pub enum Error {
     Unsupported(String),
 }
 
+// Typing protocol errors did not make every `Result` carrying an `Error` larger.
+const _: () = assert!(std::mem::size_of::<Error>() <= 40);
+
 impl Error {
     /// A copy of this error, for fanning one failure out to several waiters.
     /// (`std::io::Error` is not `Clone`; its kind and message are kept.)
     pub fn duplicate(&self) -> Error {
         match self {
             Error::Io(e) => Error::Io(std::io::Error::new(e.kind(), e.to_string())),
-            Error::Protocol(s) => Error::Protocol(s.clone()),
+            Error::Protocol(p) => Error::Protocol(p.clone()),
             Error::VersionMismatch { ours, theirs } => Error::VersionMismatch {
                 ours: *ours,
                 theirs: *theirs,
@@ -99,5 +103,23 @@ impl Error {
 impl From<nix::Error> for Error {
     fn from(e: nix::Error) -> Self {
         Error::Io(std::io::Error::from(e))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn protocol_errors_keep_their_prefix_and_copy() {
+        let e = Error::from(ProtocolError::DuplicateNotify { batch: 3 });
+        assert_eq!(
+            e.to_string(),
+            "protocol error: second notification for batch 3"
+        );
+        assert!(matches!(
+            e.duplicate(),
+            Error::Protocol(ProtocolError::DuplicateNotify { batch: 3 })
+        ));
     }
 }

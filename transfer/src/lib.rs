@@ -1,5 +1,27 @@
 //! kvwire transfer engine.
 //!
+//! Modules, from the bottom up. Each uses only modules listed before it, except that [`Error`]
+//! carries a [`wire::ProtocolError`] while the decoders in `wire` return [`Error`]; the files
+//! still form no cycle (`error.rs` uses only `wire/problem.rs`, which uses only `wire/msg.rs`
+//! and `types`).
+//! * `types`: the plain vocabulary ([`Op`], [`RegionId`], [`Access`], [`TransportKind`], ...);
+//! * `config`: [`EngineConfig`], the only reader of the environment;
+//! * `auth`: random values and the HMAC proofs of the handshake;
+//! * `wire`: every byte layout on the wire, and [`wire::ProtocolError`];
+//! * `error`: [`Error`];
+//! * `host`: this engine's [`HostIdentity`];
+//! * `mem`: region memory (memfd or caller memory), copies, RDMA memory registrations;
+//! * `region`: the region table and the per-region copy gate;
+//! * `coalesce`: merging adjacent ops;
+//! * `notify`: [`Notifications`] delivered to a target;
+//! * `metrics`: counters, [`MetricsSnapshot`], the Prometheus endpoint;
+//! * `batch`: [`Batch`] completion, deadlines, what a transport is handed;
+//! * `ctrl`: the serialized writer of a peer's control connection;
+//! * `transport`: the transport traits and the `tcp`, `shm` and `rdma` transports;
+//! * `engine`: [`Engine`] and [`Peer`] (handshake, control connection, regions, submit);
+//! * `layer`: layer streams ([`layer::LayerStream`]);
+//! * `cuda`: CUDA device memory for layer streams (feature `cuda`).
+//!
 //! Register memory as [`RegionHandle`]s, [`Engine::connect`] to peers (handshake with protocol
 //! version, mutual shared-secret proof and region descriptors), and move bytes with batches of
 //! [`Op`]s: one completion per batch ([`Batch`]: blocking wait with deadline, O(1) poll, or
@@ -8,12 +30,16 @@
 //!
 //! Transports: `tcp` (persistent multi-lane connections, pipelined slices, target-side bounds
 //! checks before a byte lands), `shm` for peers on one host (the target's memfd regions mapped
-//! and copied into; `process_vm_writev` for caller memory) and `rdma` (RC queue pairs on one
-//! verbs device per engine, one-sided WRITE/READ striped over `lanes` queue pairs, every region
-//! registered as a memory region so the NIC enforces its bounds; offered only when libibverbs
-//! loads at run time and a device is usable). [`TransportKind::Auto`] picks shm when both
-//! engines share a host, rdma when both offer it (first, with `KVWIRE_PREFER_RDMA=1`), tcp
-//! otherwise.
+//! and copied into; `process_vm_writev` for caller memory) and `rdma` (RC queue pairs over one
+//! or several verbs devices per engine, one-sided WRITE/READ striped over the queue pairs,
+//! every region registered as a memory region on every device so the NIC enforces its bounds;
+//! notifications follow the data over the control connection, with a fence the target answers;
+//! offered only when libibverbs loads at run time and a device is usable).
+//! [`TransportKind::Auto`] picks shm when both engines share a host, rdma when both offer it
+//! (first, with [`EngineConfig::prefer_rdma`]), tcp otherwise.
+//!
+//! The `KVWIRE_*` environment variables apply only to configurations built with
+//! [`EngineConfig::from_env`]; [`EngineConfig::default`] and [`Engine::new`] read nothing.
 //!
 //! ```
 //! use kvwire_transfer::{Access, Engine, EngineConfig, Op};
@@ -31,22 +57,29 @@
 //! # Ok(()) }
 //! ```
 //!
-//! `unsafe` lives only in the raw-memory module (`mem`) (plus the forwarding call inside the
-//! `unsafe fn` [`Engine::register_raw`]); region memory is never exposed as a
-//! Rust slice (peers write into it concurrently): use [`Engine::local_write`] and
-//! [`Engine::local_read`].
+//! `unsafe` lives only in the raw-memory module (`mem`: region memory, copies, memory
+//! registration with the verbs devices) and in `cuda` (the CUDA driver calls), plus the
+//! forwarding call inside the `unsafe fn` [`Engine::register_raw`]; the verbs bindings and
+//! their `unsafe` are in the `kvwire-verbs` crate (re-exported as [`verbs`]). Region memory is
+//! never exposed as a Rust slice (peers write into it concurrently): use
+//! [`Engine::local_write`] and [`Engine::local_read`].
+//!
 
 #![deny(unsafe_code)]
 
 mod auth;
 mod batch;
+// Public for the tests of coalescing only; callers never need it (`Engine::write` coalesces).
+#[doc(hidden)]
 pub mod coalesce;
 mod config;
+mod ctrl;
 #[cfg(feature = "cuda")]
 #[allow(unsafe_code)]
 pub mod cuda;
 mod engine;
 mod error;
+mod host;
 pub mod layer;
 #[allow(unsafe_code)]
 mod mem;
@@ -54,30 +87,17 @@ pub mod metrics;
 mod notify;
 mod region;
 mod transport;
+mod types;
 pub use kvwire_verbs as verbs;
 pub mod wire;
 
-pub use batch::{Batch, BatchStats};
-pub use config::{EngineConfig, TransportKind};
-pub use engine::{Descriptor, Engine, Peer, PeerId};
+pub use batch::Batch;
+pub use config::EngineConfig;
+pub use engine::{Descriptor, Engine, Peer};
 pub use error::Error;
 pub use metrics::MetricsSnapshot;
 pub use notify::{Notification, Notifications};
-pub use region::{Access, RegionHandle, RegionId, RemoteRegion};
+pub use types::{
+    Access, BatchStats, Op, PeerId, RegionHandle, RegionId, RemoteRegion, TransportKind,
+};
 pub use wire::HostIdentity;
-
-/// One transfer of a batch: `len` bytes between `(local, local_offset)` and
-/// `(remote, remote_offset)` (direction given by `Engine::write`/`Engine::read`).
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
-pub struct Op {
-    /// Local region (source of a write, destination of a read).
-    pub local: RegionHandle,
-    /// Offset in the local region.
-    pub local_offset: u64,
-    /// Remote region id, as the peer offers it.
-    pub remote: RegionId,
-    /// Offset in the remote region.
-    pub remote_offset: u64,
-    /// Bytes.
-    pub len: u64,
-}

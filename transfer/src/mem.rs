@@ -1,4 +1,5 @@
-//! Raw memory: the one module of the engine that touches pointers.
+//! Raw memory: the one module of the engine that touches region memory through pointers (the
+//! other `unsafe` of the crate is the CUDA driver calls in `cuda`).
 //!
 //! Everything that reads or writes region memory goes through [`RegionMem`], whose methods
 //! check bounds themselves (so they are sound whatever the caller passes) and never hand a
@@ -454,7 +455,7 @@ pub fn cma_peek(pid: i32, addr: u64, out: &mut [u8]) -> io::Result<()> {
 /// (index = local device index), kept next to the memory it covers. Field order matters: the
 /// MRs are deregistered (dropped) before the last reference to the memory goes.
 pub(crate) struct RegionMrs {
-    per_dev: Vec<crate::verbs::Mr>,
+    per_dev: Vec<kvwire_verbs::Mr>,
     _mem: Arc<RegionMem>,
 }
 
@@ -464,9 +465,9 @@ impl RegionMrs {
     /// are undone when they drop).
     pub(crate) fn register<'a>(
         mem: &Arc<RegionMem>,
-        pds: impl IntoIterator<Item = &'a crate::verbs::Pd>,
-        access: crate::verbs::Access,
-    ) -> Result<RegionMrs, (usize, crate::verbs::VerbsError)> {
+        pds: impl IntoIterator<Item = &'a kvwire_verbs::Pd>,
+        access: kvwire_verbs::Access,
+    ) -> Result<RegionMrs, (usize, kvwire_verbs::VerbsError)> {
         let mut per_dev = Vec::new();
         for (i, pd) in pds.into_iter().enumerate() {
             // SAFETY: the memory `mem.addr() .. + mem.len()` is owned (memfd mapping) or
@@ -488,7 +489,7 @@ impl RegionMrs {
     }
 
     /// The memory region on local device `dev`.
-    pub(crate) fn get(&self, dev: usize) -> Option<&crate::verbs::Mr> {
+    pub(crate) fn get(&self, dev: usize) -> Option<&kvwire_verbs::Mr> {
         self.per_dev.get(dev)
     }
 }

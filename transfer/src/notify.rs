@@ -9,8 +9,8 @@ use std::time::{Duration, Instant};
 
 use parking_lot::{Condvar, Mutex};
 
-use crate::engine::PeerId;
 use crate::error::Error;
+use crate::types::PeerId;
 
 /// A notification: the tag a peer attached to a batch, delivered after all its bytes landed.
 #[derive(Clone, Debug, PartialEq, Eq)]

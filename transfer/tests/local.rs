@@ -487,3 +487,29 @@ fn public_types_are_send_and_sync() {
     check::<kvwire_transfer::Notifications>();
     check::<Error>();
 }
+
+#[test]
+fn a_peer_of_another_engine_is_refused() {
+    let t = Engine::new(cfg(TransportKind::Tcp, None)).expect("target");
+    let dst = t.alloc_region(4096, Access::WriteOnly).expect("dst");
+    let a = Engine::new(cfg(TransportKind::Tcp, None)).expect("engine a");
+    let b = Engine::new(cfg(TransportKind::Tcp, None)).expect("engine b");
+    let src = a.alloc_region(4096, Access::Local).expect("src");
+    let peer_of_b = b.connect(t.listen_addr()).expect("connect");
+    let op = Op {
+        local: src,
+        local_offset: 0,
+        remote: t.region_id(dst),
+        remote_offset: 0,
+        len: 16,
+    };
+    match a.write(&peer_of_b, &[op], None, None) {
+        Err(Error::InvalidArgument(m)) => assert_eq!(m, "peer belongs to another engine"),
+        other => panic!("expected InvalidArgument, got {other:?}"),
+    }
+    let peer_of_a = a.connect(t.listen_addr()).expect("connect");
+    a.write(&peer_of_a, &[op], None, None)
+        .expect("submit")
+        .wait()
+        .expect("its own peer");
+}

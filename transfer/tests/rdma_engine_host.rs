@@ -1,6 +1,7 @@
 //! The engine without RDMA (libibverbs pointed at a path that does not exist): it starts, does
 //! not offer RDMA, refuses `TransportKind::Rdma` with a typed error, and moves bytes over shm
-//! and tcp. One test in this binary, since it sets the environment.
+//! and tcp. One test in this binary, since it sets the environment (read by
+//! `EngineConfig::from_env`).
 
 use std::time::Duration;
 
@@ -12,7 +13,7 @@ fn engine_without_rdma_uses_tcp_and_shm() {
     std::env::set_var(LIBRARY_ENV, "/nonexistent");
     match Engine::new(EngineConfig {
         transport: TransportKind::Rdma,
-        ..Default::default()
+        ..EngineConfig::from_env()
     }) {
         Err(Error::Unsupported(m)) => assert!(m.contains("RDMA"), "message: {m}"),
         other => panic!("expected Unsupported for TransportKind::Rdma, got {other:?}"),
@@ -23,7 +24,7 @@ fn engine_without_rdma_uses_tcp_and_shm() {
     ] {
         let target = Engine::new(EngineConfig {
             transport: kind,
-            ..Default::default()
+            ..EngineConfig::from_env()
         })
         .expect("target engine starts without RDMA");
         let dst = target
@@ -31,7 +32,7 @@ fn engine_without_rdma_uses_tcp_and_shm() {
             .expect("dst");
         let init = Engine::new(EngineConfig {
             transport: kind,
-            ..Default::default()
+            ..EngineConfig::from_env()
         })
         .expect("initiator engine");
         let src = init.alloc_region(1 << 20, Access::Local).expect("src");

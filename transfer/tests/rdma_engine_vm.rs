@@ -52,7 +52,8 @@ fn engine_sliced(devs: &[&str], kind: TransportKind, lanes: usize, slice_size: u
         rdma_device,
         rdma_devices,
         default_deadline: Duration::from_secs(60),
-        ..Default::default()
+        // The run's knobs (signalling, poll window; KVWIRE_PREFER_RDMA where set below).
+        ..EngineConfig::from_env()
     })
     .unwrap_or_else(|e| panic!("engine on {devs:?}: {e}"))
 }
@@ -661,7 +662,7 @@ fn multi_device(d0: &str, d1: &str) {
         let cfg = EngineConfig {
             transport: TransportKind::Rdma,
             default_deadline: Duration::from_secs(60),
-            ..Default::default()
+            ..EngineConfig::from_env()
         };
         let t = Engine::new(cfg.clone()).expect("default target engine");
         let i = Engine::new(cfg).expect("default initiator engine");

@@ -61,7 +61,8 @@ fn engine(devs: &[&str], lanes: usize) -> Engine {
         rdma_device,
         rdma_devices,
         default_deadline: Duration::from_secs(120),
-        ..Default::default()
+        // The run's knobs (signalling, poll window) from the environment.
+        ..EngineConfig::from_env()
     })
     .unwrap_or_else(|e| panic!("engine on {devs:?}: {e}"))
 }

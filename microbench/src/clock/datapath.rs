@@ -105,7 +105,7 @@ impl DataPath {
         let eng_err = eng;
         let cfg = EngineConfig {
             transport,
-            ..EngineConfig::default()
+            ..EngineConfig::from_env()
         };
         let d = Engine::new(cfg.clone()).map_err(eng("starting D's engine"))?;
         let p = Engine::new(cfg).map_err(eng("starting P's engine"))?;

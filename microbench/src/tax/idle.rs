@@ -55,7 +55,7 @@ pub fn run(interval: Duration) -> Result<EngineIdle, String> {
     let before = tids();
     let cfg = || EngineConfig {
         transport: TransportKind::Tcp,
-        ..EngineConfig::default()
+        ..EngineConfig::from_env()
     };
     let a = Engine::new(cfg()).map_err(|e| format!("engine: {e}"))?;
     let b = Engine::new(cfg()).map_err(|e| format!("engine: {e}"))?;

@@ -11,8 +11,8 @@
 //! runs of blocks contiguous on both sides become one extent per part, and extents adjacent on
 //! both sides (e.g. K and V of a block in a `[num_blocks, 2, ...]` layout) merge as well.
 
-use crate::layer::LayerError;
-use crate::{RegionHandle, RegionId};
+use crate::layer::error::LayerError;
+use crate::types::{RegionHandle, RegionId};
 
 /// Where the source bytes of a layer live.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]

@@ -12,8 +12,10 @@ use std::sync::Arc;
 
 use parking_lot::Mutex;
 
+use crate::engine::Engine;
+use crate::error::Error;
 use crate::layer::layout::SrcSpace;
-use crate::{Access, Engine, Error, RegionHandle};
+use crate::types::{Access, RegionHandle};
 
 /// One staging buffer: an engine region of `len` bytes (and its host address when known).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -305,7 +307,7 @@ mod tests {
 
     #[test]
     fn pool_counts_leases_and_wakes_waiters() {
-        let e = Engine::new(crate::EngineConfig::default()).unwrap();
+        let e = Engine::new(crate::config::EngineConfig::default()).unwrap();
         let pool = StagingPool::host(&e, 2, 4096).unwrap();
         assert_eq!(
             (pool.capacity(), pool.in_use(), pool.buffer_len()),
@@ -330,7 +332,7 @@ mod tests {
 
     #[test]
     fn pool_release_runs_after_the_last_lease() {
-        let e = Engine::new(crate::EngineConfig::default()).unwrap();
+        let e = Engine::new(crate::config::EngineConfig::default()).unwrap();
         let pool = StagingPool::host(&e, 1, 4096).unwrap();
         let region = pool.try_acquire().map(|l| l.buffer().region).unwrap();
         let lease = pool.try_acquire().unwrap();

@@ -33,20 +33,17 @@ use std::sync::Arc;
 use crossbeam_channel::Sender;
 use parking_lot::{Condvar, Mutex};
 
-use super::{Dir, PeerTransport, Posted, Xfer};
-use crate::batch::{BatchState, BatchStats, Pending};
-use crate::config::TransportKind;
-use crate::engine::CtrlWriter;
+use super::api::{CopyJob, EstablishCtx, PeerTransport, Transport};
+use crate::batch::{BatchState, Pending, Posted, Xfer};
+use crate::ctrl::CtrlWriter;
 use crate::error::Error;
+use crate::host::host_identity;
 use crate::mem::{cma_copy, RegionMem};
-use crate::region::RegionId;
-use crate::wire::WireRegion;
+use crate::types::{BatchStats, Dir, RegionId, TransportKind};
+use crate::wire::{HostIdentity, ProtocolError, WireRegion, TRANSPORT_SHM};
 
 /// Batches up to this many bytes are copied by the submitting thread.
 pub(crate) const INLINE_MAX: u64 = 1 << 20;
-
-/// A job for the engine's copy thread.
-pub(crate) type CopyJob = Box<dyn FnOnce() + Send>;
 
 /// Withdrawn regions remembered (to refuse copies validated before the withdrawal arrived).
 const MAX_REVOKED: usize = 1 << 16;
@@ -124,9 +121,7 @@ impl Shared {
             .open(&path)?;
         let md = f.metadata()?;
         if md.ino() != r.ino {
-            return Err(Error::Protocol(format!(
-                "{path} is not the announced memfd"
-            )));
+            return Err(ProtocolError::NotAnnouncedMemfd { path }.into());
         }
         let len = usize::try_from(r.len)
             .map_err(|_| Error::InvalidArgument("region too large".into()))?;
@@ -304,5 +299,87 @@ impl PeerTransport for ShmPeer {
     fn close(&self) {
         self.sh.closed.store(true, Ordering::Release);
         self.sh.maps.lock().clear();
+    }
+}
+
+/// The shared-memory transport (same host only).
+///
+/// Its handshake blob is the address of 16 random bytes in this process and their value: the
+/// peer reads them with `process_vm_readv` to find out whether it may access our memory at all
+/// (same user, ptrace policy, container seccomp). When it may not, it uses TCP instead
+/// (`TransportKind::Auto`) or refuses (`TransportKind::Shm`).
+pub(crate) struct ShmTransport {
+    probe: Box<[u8; 16]>,
+}
+
+impl ShmTransport {
+    pub fn new() -> Self {
+        ShmTransport {
+            probe: Box::new(crate::auth::random()),
+        }
+    }
+}
+
+impl Transport for ShmTransport {
+    fn kind(&self) -> TransportKind {
+        TransportKind::Shm
+    }
+    fn bit(&self) -> u8 {
+        TRANSPORT_SHM
+    }
+    fn hello_blob(&self) -> Option<Vec<u8>> {
+        Some(crate::wire::shm::encode_probe(
+            self.probe.as_ptr() as u64,
+            &self.probe,
+        ))
+    }
+    fn usable_with(&self, remote_host: &HostIdentity, remote_blob: Option<&[u8]>) -> bool {
+        let local = host_identity();
+        let Some((addr, token)) = remote_blob.and_then(crate::wire::shm::decode_probe) else {
+            return false;
+        };
+        if !local.same_host(remote_host) {
+            return false;
+        }
+        let mut got = [0u8; 16];
+        match crate::mem::cma_peek(remote_host.pid as i32, addr, &mut got) {
+            Ok(()) => got == token,
+            Err(e) => {
+                tracing::info!(error = %e, "same host, but the peer's memory is not accessible; not using shm");
+                false
+            }
+        }
+    }
+    fn establish(&self, ctx: EstablishCtx<'_>) -> Result<Arc<dyn PeerTransport>, Error> {
+        Ok(Arc::new(ShmPeer::new(
+            ctx.remote_host.pid,
+            ctx.ctrl,
+            ctx.copy_tx,
+        )))
+    }
+}
+
+#[cfg(test)]
+mod probe_tests {
+    use super::*;
+
+    #[test]
+    fn shm_probe_reads_the_peer_token_and_rejects_a_wrong_one() {
+        let t = ShmTransport::new();
+        let me = host_identity();
+        let blob = t.hello_blob().expect("blob");
+        assert!(t.usable_with(&me, Some(&blob)));
+        let mut wrong = blob.clone();
+        wrong[8] ^= 0xff;
+        assert!(!t.usable_with(&me, Some(&wrong)));
+        assert!(!t.usable_with(&me, None));
+        assert!(!t.usable_with(&me, Some(&blob[..10])));
+        let mut other = me.clone();
+        other.boot_id = "another-host".into();
+        assert!(!t.usable_with(&other, Some(&blob)));
+        // An address that is not mapped in the peer: the read fails, shm is not used.
+        let mut unmapped = blob.clone();
+        unmapped[..8].copy_from_slice(&8u64.to_le_bytes());
+        assert!(!t.usable_with(&me, Some(&unmapped)));
     }
 }

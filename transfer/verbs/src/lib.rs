@@ -1,11 +1,24 @@
 //! kvwire-verbs: RDMA verbs, loaded at run time (the only crate of kvwire with verbs `unsafe`).
 //!
-//! libibverbs is opened with `dlopen` (through [`libloading`]) when [`Verbs::load`] is called,
-//! never linked: a machine without it runs kvwire over TCP/shm, and the Python wheel stays
-//! manylinux. The raw bindings in `sys` were generated once with bindgen's dynamic-loading mode
-//! and committed (see that file's header); the static-inline verbs of `<infiniband/verbs.h>`
-//! (`ibv_post_send`, `ibv_post_recv`, `ibv_poll_cq`, `ibv_req_notify_cq`) are re-implemented
-//! in `ops` by calling through the context's ops table, exactly as the inlines do.
+//! Modules:
+//! * `sys`: the generated bindings (bindgen, dynamic loading; committed, see its header);
+//! * `library`: the loaded library (`Lib`) and the symbol-fetch macro;
+//! * `loader`: [`Verbs`] — load the library, list and open devices;
+//! * `device`: [`Context`], ports, GIDs, MTUs, sysfs locality;
+//! * `memory`: [`Pd`], memory regions ([`Mr`], [`RegisteredBuffer`]), scatter entries;
+//! * `qp`: RC queue pairs ([`Qp`]), endpoints, posting work requests;
+//! * `cq`: completion queues ([`Cq`]) with their completion channel;
+//! * `ops`: the static-inline verbs written through the context's ops table;
+//! * `error`: [`VerbsError`], work-completion statuses.
+//!
+//! libibverbs is opened with `dlopen` (through [`libloading`]) when [`Verbs::load`] (path from
+//! `$KVWIRE_IBVERBS_PATH`, else the soname) or [`Verbs::load_from`] (an explicit path, which
+//! the transfer engine uses) is called, never linked: a machine without it runs kvwire over
+//! TCP/shm, and the Python wheel stays manylinux. The raw bindings in `sys` were generated once
+//! with bindgen's dynamic-loading mode and committed (see that file's header); the
+//! static-inline verbs of `<infiniband/verbs.h>` (`ibv_post_send`, `ibv_post_recv`,
+//! `ibv_poll_cq`, `ibv_req_notify_cq`) are re-implemented in `ops` by calling through the
+//! context's ops table, exactly as the inlines do.
 //!
 //! The safe layer is thin and owns every resource with RAII:
 //!
@@ -26,17 +39,6 @@
 //! region by construction ([`RegisteredBuffer`]) or by the contract of the `unsafe`
 //! [`Pd::register_raw`]. So posting is a safe operation; remote addresses are checked by the
 //! remote NIC against the remote key.
-
-//! Modules:
-//! * `sys`: the generated bindings (bindgen, dynamic loading; committed, see its header);
-//! * `library`: the loaded library ([`Lib`](library)) and the symbol-fetch macro;
-//! * `loader`: [`Verbs`] — load the library, list and open devices;
-//! * `device`: [`Context`], ports, GIDs, MTUs, sysfs locality;
-//! * `memory`: [`Pd`], memory regions ([`Mr`], [`RegisteredBuffer`]), scatter entries;
-//! * `qp`: RC queue pairs ([`Qp`]), endpoints, posting work requests;
-//! * `cq`: completion queues ([`Cq`]) with their completion channel;
-//! * `ops`: the static-inline verbs written through the context's ops table;
-//! * `error`: [`VerbsError`], work-completion statuses.
 
 mod cq;
 mod device;

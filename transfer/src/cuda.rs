@@ -19,7 +19,8 @@
 //! # GPUDirect RDMA (hook)
 //!
 //! tcp and shm always stage. With an RDMA transport and a GPUDirect-capable NIC the device
-//! memory itself can be the source: such a transport implements [`DeviceRegistrar`] (e.g.
+//! memory itself can be the source: such a transport implements [`DeviceRegistrar`] (kvwire's
+//! `rdma` transport does not yet; e.g.
 //! `ibv_reg_dmabuf_mr` on the fd from `cuMemGetHandleForAddressRange`, or `ibv_reg_mr` on the
 //! device pointer with nvidia-peermem), and the layout then names the returned region as
 //! [`SrcSpace::Region`]: the stream posts straight from HBM,
@@ -33,11 +34,13 @@ use std::sync::{Arc, OnceLock};
 use cudarc::driver::{result, sys, CudaContext, DriverError};
 use parking_lot::Mutex;
 
+use crate::engine::Engine;
+use crate::error::Error;
 use crate::layer::{
     Lease, Readiness, ReadySignal, SrcSpace, StageCopy, StageDone, Stager, StagingBuffer,
     StagingPool,
 };
-use crate::{Access, Engine, Error, RegionHandle};
+use crate::types::{Access, RegionHandle};
 
 /// What can go wrong with CUDA memory.
 #[derive(Debug, thiserror::Error)]

@@ -1,0 +1,285 @@
+//! The engine's core: the [`Engine`] handle and the state behind it ([`Core`]), what tears a
+//! peer or the whole engine down, and the engine-wide accessors.
+
+use std::collections::HashMap;
+use std::net::{Shutdown, SocketAddr, TcpListener, TcpStream};
+use std::os::fd::AsRawFd;
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
+use std::sync::{Arc, Weak};
+use std::time::Duration;
+
+use crossbeam_channel::Sender;
+use parking_lot::Mutex;
+
+use super::fence::RegionFences;
+use super::peer::{peer_reposts, EngineId, Peer, PeerInner};
+use crate::batch::Timer;
+use crate::config::EngineConfig;
+use crate::error::Error;
+use crate::metrics::{self, EngineMetrics, MetricsSnapshot};
+use crate::notify::{Notifications, NotifyQueue};
+use crate::region::RegionTable;
+use crate::transport::{CopyJob, Transport};
+use crate::types::{PeerId, RegionId, RemoteRegion, TransportKind};
+use crate::wire::{CtrlMsg, HostIdentity};
+
+/// What a peer learns about this engine: where to connect, where it runs, what it offers.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Descriptor {
+    /// Listen address.
+    pub addr: SocketAddr,
+    /// Host identity (same identity = shared memory possible).
+    pub host: HostIdentity,
+    /// Regions offered to peers.
+    pub regions: Vec<RemoteRegion>,
+}
+
+pub(crate) struct Core {
+    pub(super) cfg: EngineConfig,
+    pub(super) listen_addr: SocketAddr,
+    pub(super) listener: TcpListener,
+    pub(super) regions: Arc<RegionTable>,
+    pub(super) peers: Mutex<HashMap<PeerId, Arc<PeerInner>>>,
+    pub(super) tokens: Mutex<HashMap<[u8; 16], Weak<PeerInner>>>,
+    /// Held while (region table change + broadcast) and while (peer insert + region snapshot),
+    /// so every peer sees every region change exactly in order.
+    pub(super) reg_lock: Mutex<()>,
+    /// Region withdrawals awaiting confirmation from same-host peers.
+    pub(super) fences: RegionFences,
+    pub(super) notify: Arc<NotifyQueue>,
+    pub(super) timer: Arc<Timer>,
+    pub(super) shut: AtomicBool,
+    pub(super) host: HostIdentity,
+    pub(super) next_batch: AtomicU64,
+    pub(super) next_peer: AtomicU64,
+    pub(super) handshakes: AtomicUsize,
+    pub(super) copy_tx: Mutex<Option<Sender<CopyJob>>>,
+    pub(super) transports: Vec<Box<dyn Transport>>,
+    pub(super) metrics: Arc<EngineMetrics>,
+    /// Bound address of the Prometheus endpoint, if one was asked for.
+    pub(super) metrics_addr: Option<SocketAddr>,
+    /// Tells this engine's peers from other engines' (see `Engine::submit_inner`).
+    pub(super) id: EngineId,
+}
+
+pub(super) struct Handle {
+    pub(super) core: Arc<Core>,
+}
+
+impl Drop for Handle {
+    fn drop(&mut self) {
+        self.core.shutdown();
+    }
+}
+
+/// The transfer engine. Cheap to clone; dropping the last clone shuts it down.
+#[derive(Clone)]
+pub struct Engine {
+    pub(super) h: Arc<Handle>,
+}
+
+impl std::fmt::Debug for Engine {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Engine")
+            .field("listen", &self.h.core.listen_addr)
+            .finish_non_exhaustive()
+    }
+}
+
+impl Engine {
+    pub(super) fn core(&self) -> &Arc<Core> {
+        &self.h.core
+    }
+
+    /// The bound listen address.
+    pub fn listen_addr(&self) -> SocketAddr {
+        self.core().listen_addr
+    }
+
+    /// A snapshot of the engine's metrics (see [`MetricsSnapshot::to_prometheus_text`]).
+    pub fn metrics(&self) -> MetricsSnapshot {
+        self.core().metrics_snapshot()
+    }
+
+    /// The bound address of the Prometheus endpoint (`EngineConfig::metrics_addr`).
+    pub fn metrics_addr(&self) -> Option<SocketAddr> {
+        self.core().metrics_addr
+    }
+
+    /// Closes every connection and fails in-flight batches with `Error::Shutdown`.
+    pub fn shutdown(&self) {
+        self.core().shutdown();
+    }
+
+    /// What a peer receives: listen address, host identity, offered regions.
+    pub fn descriptor(&self) -> Descriptor {
+        let mut regions = self.core().regions.offered();
+        regions.sort_by_key(|r| r.id.index);
+        Descriptor {
+            addr: self.listen_addr(),
+            host: self.core().host.clone(),
+            regions,
+        }
+    }
+
+    /// Every connected peer, inbound ones included.
+    pub fn peers(&self) -> Vec<Peer> {
+        let mut v: Vec<Peer> = self
+            .core()
+            .peers
+            .lock()
+            .values()
+            .map(|p| Peer { inner: p.clone() })
+            .collect();
+        v.sort_by_key(|p| p.id());
+        v
+    }
+
+    /// Notifications delivered to this engine as a target.
+    pub fn notifications(&self) -> Notifications {
+        Notifications {
+            q: self.core().notify.clone(),
+        }
+    }
+}
+
+pub(super) fn timeout_err(e: Error) -> Error {
+    match e {
+        Error::Io(io)
+            if matches!(
+                io.kind(),
+                std::io::ErrorKind::WouldBlock | std::io::ErrorKind::TimedOut
+            ) =>
+        {
+            Error::Timeout
+        }
+        e => e,
+    }
+}
+
+impl Core {
+    pub(super) fn check_open(&self) -> Result<(), Error> {
+        if self.shut.load(Ordering::Acquire) {
+            Err(Error::Shutdown)
+        } else {
+            Ok(())
+        }
+    }
+
+    pub(super) fn metrics_snapshot(&self) -> MetricsSnapshot {
+        let peers: Vec<Arc<PeerInner>> = self.peers.lock().values().cloned().collect();
+        let mut lanes = 0;
+        let mut reposts = 0;
+        let mut inflight = (0, 0, 0);
+        let mut ps: Vec<metrics::PeerSnapshot> = peers
+            .iter()
+            .map(|p| {
+                let re = Peer { inner: p.clone() }.lanes_reestablished();
+                lanes += re;
+                let rp = peer_reposts(p);
+                reposts += rp;
+                let f = p.pending.inflight();
+                inflight = (inflight.0 + f.0, inflight.1 + f.1, inflight.2 + f.2);
+                metrics::peer_snapshot(
+                    p.id.0,
+                    p.remote_addr,
+                    p.transport.kind(),
+                    p.pending.obs.as_ref().map(|o| &*o.peer),
+                    (re, rp),
+                )
+            })
+            .collect();
+        ps.sort_by_key(|p| p.id);
+        let all = self.regions.all();
+        let n = &self.notify;
+        self.metrics.snapshot(metrics::SnapshotExtra {
+            peers: ps,
+            lanes_reestablished_live: lanes,
+            reposts_live: reposts,
+            regions: all.len() as u64,
+            region_bytes: all.iter().map(|e| e.mem.len() as u64).sum(),
+            peers_connected: peers.len() as u64,
+            notifications: (
+                n.delivered.load(Ordering::Relaxed),
+                n.dropped.load(Ordering::Relaxed),
+                n.suppressed.load(Ordering::Relaxed),
+            ),
+            inflight,
+        })
+    }
+
+    /// Sends a control message to every peer (callers hold `reg_lock`).
+    pub(super) fn broadcast(&self, msg: impl Fn(&PeerInner) -> CtrlMsg) {
+        let peers: Vec<_> = self.peers.lock().values().cloned().collect();
+        for p in peers {
+            if let Err(e) = p.ctrl.send(&msg(&p)) {
+                tracing::debug!(peer = ?p.id, error = %e, "region update not sent");
+            }
+        }
+    }
+
+    pub(super) fn rkey(&self, id: RegionId) -> u32 {
+        self.transports
+            .iter()
+            .map(|t| t.region_rkey(id))
+            .find(|k| *k != 0)
+            .unwrap_or(0)
+    }
+
+    pub(super) fn has_rdma(&self) -> bool {
+        self.transports
+            .iter()
+            .any(|t| t.kind() == TransportKind::Rdma)
+    }
+
+    pub(super) fn kill_peer(&self, id: PeerId, reason: &str, shutdown: bool) {
+        let p = self.peers.lock().remove(&id);
+        let Some(p) = p else { return };
+        if p.dead.swap(true, Ordering::AcqRel) {
+            return;
+        }
+        tracing::info!(peer = id.0, reason, "peer closed");
+        self.metrics.disconnects.fetch_add(1, Ordering::Relaxed);
+        self.metrics
+            .reposts_retired
+            .fetch_add(peer_reposts(&p), Ordering::Relaxed);
+        self.metrics.lanes_reestablished_retired.fetch_add(
+            Peer { inner: p.clone() }.lanes_reestablished(),
+            Ordering::Relaxed,
+        );
+        self.tokens.lock().remove(&p.our_token);
+        p.pending.close(reason, shutdown);
+        p.transport.close();
+        for t in &p.passive {
+            t.close();
+        }
+        p.tracker.clear();
+        p.ctrl.forget_all();
+        let _ = p.ctrl_stream.shutdown(Shutdown::Both);
+        self.fences.peer_gone(id, p.remote_host.pid);
+        for s in p.inbound_lanes.lock().drain(..) {
+            let _ = s.shutdown(Shutdown::Both);
+        }
+    }
+
+    pub(super) fn shutdown(&self) {
+        if self.shut.swap(true, Ordering::AcqRel) {
+            return;
+        }
+        let _ =
+            nix::sys::socket::shutdown(self.listener.as_raw_fd(), nix::sys::socket::Shutdown::Both);
+        // Wake the acceptor in case shutdown(2) on a listener does not (it does on Linux).
+        let _ = TcpStream::connect_timeout(&self.listen_addr, Duration::from_millis(100));
+        if let Some(a) = self.metrics_addr {
+            // Wake the metrics server so it sees the shutdown and exits.
+            let _ = TcpStream::connect_timeout(&a, Duration::from_millis(100));
+        }
+        let ids: Vec<PeerId> = self.peers.lock().keys().copied().collect();
+        for id in ids {
+            self.kill_peer(id, "engine shut down", true);
+        }
+        self.notify.close();
+        self.timer.stop();
+        self.copy_tx.lock().take();
+    }
+}

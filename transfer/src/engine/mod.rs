@@ -1,0 +1,28 @@
+//! The engine: regions, peers (handshake, control connection), batches.
+//!
+//! [`Engine`] is a handle to a shared `Core`. Its public methods are defined next to what they
+//! do, in the modules below (each using only the ones listed before it):
+//! * `peer`: [`Peer`], a peer's state and its view of the remote's regions;
+//! * `fence`: region withdrawals awaiting same-host peers' answers;
+//! * `core`: [`Engine`], [`Descriptor`], `Core`; tearing down peers and the engine;
+//! * `regions`: registering, unregistering, local copies;
+//! * `handshake`: transport choice, the secret proof, region tables and transport blobs;
+//! * `control`: a peer's control connection (region updates, notifications, fences);
+//! * `connect`: [`Engine::connect`] and the per-peer state built after a handshake;
+//! * `listener`: accepted connections (handshakes, data lanes);
+//! * `submit`: [`Engine::write`] and [`Engine::read`];
+//! * `start`: [`Engine::new`].
+
+mod connect;
+mod control;
+mod core;
+mod fence;
+mod handshake;
+mod listener;
+mod peer;
+mod regions;
+mod start;
+mod submit;
+
+pub use self::core::{Descriptor, Engine};
+pub use peer::Peer;

@@ -1,0 +1,124 @@
+//! Starting an engine: configuration checks, transports, listener, threads.
+
+use std::collections::HashMap;
+use std::net::TcpListener;
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
+use std::sync::Arc;
+
+use parking_lot::Mutex;
+
+use super::core::{Core, Engine, Handle};
+use super::fence::RegionFences;
+use super::listener::accept_loop;
+use super::peer::EngineId;
+use crate::batch::Timer;
+use crate::config::EngineConfig;
+use crate::error::Error;
+use crate::host::host_identity;
+use crate::metrics::{self, EngineMetrics};
+use crate::notify::NotifyQueue;
+use crate::region::RegionTable;
+use crate::transport::rdma::RdmaTransport;
+use crate::transport::shm::ShmTransport;
+use crate::transport::tcp::TcpTransport;
+use crate::transport::{CopyJob, Transport};
+use crate::types::TransportKind;
+
+impl Engine {
+    /// Binds the listener and starts the acceptor.
+    pub fn new(cfg: EngineConfig) -> Result<Engine, Error> {
+        if cfg.lanes == 0 || cfg.lanes > 64 {
+            return Err(Error::InvalidArgument(format!(
+                "lanes must be 1..=64, got {}",
+                cfg.lanes
+            )));
+        }
+        if cfg.slice_size == 0 {
+            return Err(Error::InvalidArgument("slice_size must be > 0".into()));
+        }
+        if cfg.secret.as_ref().is_some_and(|s| s.is_empty()) {
+            return Err(Error::InvalidArgument(
+                "empty secret (use None for no authentication)".into(),
+            ));
+        }
+        let mut transports: Vec<Box<dyn Transport>> =
+            vec![Box::new(TcpTransport), Box::new(ShmTransport::new())];
+        // Only engines that may use RDMA open a device (Tcp/Shm engines never offer it).
+        if matches!(cfg.transport, TransportKind::Rdma | TransportKind::Auto) {
+            match RdmaTransport::open(&cfg) {
+                Ok(Some(t)) => transports.push(Box::new(t)),
+                Ok(None) if cfg.transport == TransportKind::Rdma => {
+                    return Err(Error::Unsupported(
+                        "TransportKind::Rdma, but no RDMA device is usable here".into(),
+                    ))
+                }
+                Ok(None) => {}
+                Err(e) if cfg.transport == TransportKind::Rdma => return Err(e),
+                Err(e) => tracing::info!(error = %e, "rdma not available; using tcp/shm"),
+            }
+        }
+        let listener = TcpListener::bind(cfg.listen)?;
+        let listen_addr = listener.local_addr()?;
+        let metrics_listener = match cfg.metrics_addr {
+            Some(a) => Some(TcpListener::bind(a)?),
+            None => None,
+        };
+        let metrics_addr = match &metrics_listener {
+            Some(l) => Some(l.local_addr()?),
+            None => None,
+        };
+        let timer = Arc::new(Timer::default());
+        timer.start()?;
+        let (copy_tx, copy_rx) = crossbeam_channel::unbounded::<CopyJob>();
+        std::thread::Builder::new()
+            .name("kvwire-copy".into())
+            .spawn(move || {
+                while let Ok(job) = copy_rx.recv() {
+                    job();
+                }
+            })?;
+        let core = Arc::new(Core {
+            cfg,
+            listen_addr,
+            listener,
+            regions: Arc::new(RegionTable::default()),
+            peers: Mutex::new(HashMap::new()),
+            tokens: Mutex::new(HashMap::new()),
+            reg_lock: Mutex::new(()),
+            fences: RegionFences::default(),
+            notify: Arc::new(NotifyQueue::default()),
+            timer,
+            shut: AtomicBool::new(false),
+            host: host_identity(),
+            next_batch: AtomicU64::new(1),
+            next_peer: AtomicU64::new(1),
+            handshakes: AtomicUsize::new(0),
+            copy_tx: Mutex::new(Some(copy_tx)),
+            transports,
+            metrics: Arc::new(EngineMetrics::default()),
+            metrics_addr,
+            id: EngineId::next(),
+        });
+        let c = core.clone();
+        std::thread::Builder::new()
+            .name("kvwire-accept".into())
+            .spawn(move || accept_loop(c))?;
+        if let Some(l) = metrics_listener {
+            let wc = Arc::downgrade(&core);
+            let render: metrics::Render = Box::new(move || {
+                let c = wc.upgrade()?;
+                if c.shut.load(Ordering::Acquire) {
+                    return None;
+                }
+                Some(c.metrics_snapshot().to_prometheus_text())
+            });
+            std::thread::Builder::new()
+                .name("kvwire-metrics".into())
+                .spawn(move || metrics::serve(l, render))?;
+            tracing::info!(addr = ?metrics_addr, "metrics endpoint listening");
+        }
+        Ok(Engine {
+            h: Arc::new(Handle { core }),
+        })
+    }
+}
