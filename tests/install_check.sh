@@ -50,11 +50,8 @@ bash tests/python/install_mooncake.sh "$SCRATCH/mc" 2>&1 | tee "$SCRATCH/mc2.log
 grep -q "present" "$SCRATCH/mc2.log" || die "install_mooncake.sh did not see the Mooncake it just installed"
 
 step "4. the test-only vLLM platform plugin into that venv"
-if [ -f tests/python/install_plugins.sh ]; then
-  bash tests/python/install_plugins.sh "$SCRATCH/mc" || die "tests/python/install_plugins.sh on a new venv"
-else
-  echo "(no tests/python/install_plugins.sh)"
-fi
+bash tests/python/install_plugins.sh "$SCRATCH/mc" 2>&1 | tee "$SCRATCH/pl1.log"
+grep -q "pip install" "$SCRATCH/pl1.log" || die "install_plugins.sh on a new venv did not install (its probe claims the plugin is there)"
 
 step "5. SoftRoCE guest into an empty cache"
 KVWIRE_VM_CACHE=$SCRATCH/vm bash tests/vm/run.sh --setup-only \

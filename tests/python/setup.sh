@@ -92,9 +92,11 @@ fi
 # 2b. Mooncake's transfer engine (CPU build, pinned) in every vLLM venv: vLLM's own
 #     MooncakeConnector imports it, and `kvwire-bench tax` measures that connector next to ours.
 #     tests/python/install_mooncake.sh probes, installs when absent and checks the import.
+#     Then the test-only vLLM platform plugin of tests/e2e (tests/python/install_plugins.sh).
 if [ "${KVWIRE_SKIP_VLLM:-0}" != 1 ]; then
   for d in "${venvs[@]}"; do
     bash "$ROOT/tests/python/install_mooncake.sh" "$d"
+    bash "$ROOT/tests/python/install_plugins.sh" "$d"
   done
 fi
 

@@ -295,10 +295,12 @@ class Staging:
         return region
 
     # ---- P: staged sends ----
-    def send(self, peer, name, src, dst, remote, remote_blocks, tag):
+    def send(self, peer, name, src, dst, remote, remote_blocks, tag, after=None):
         """Queues the write of blocks ``src`` of layer ``name`` to blocks ``dst`` of ``remote``
         (``remote_blocks`` blocks per half) on ``peer``; its outcome comes out of :meth:`reap` as
-        ``(tag, ok, nbytes)``. Raises ``kvwire.InvalidArgumentError`` on a bad block id."""
+        ``(tag, ok, nbytes)``. The copy is ordered after ``after`` (a ``dev.mark()`` taken when the
+        layer was computed), or after what the current stream holds now. Raises
+        ``kvwire.InvalidArgumentError`` on a bad block id."""
         if self.pool is None:
             raise kvwire.UnsupportedError("this worker has no staging pool (it is not a producer)")
         lay = self.layers[name]
@@ -306,7 +308,8 @@ class Staging:
         bad = [s for s, _ in pairs if not 0 <= s < lay.num_blocks]
         if bad:
             raise kvwire.InvalidArgumentError(f"source blocks {bad[:4]} outside layer {name}'s {lay.num_blocks} blocks")
-        after = self.dev.mark()  # the layer's compute, as enqueued so far
+        if after is None:
+            after = self.dev.mark()  # the layer's compute, as enqueued so far
         per = lay.halves * lay.block_bytes
         step = max(1, self.pool.capacity // per)
         chunks = [pairs[i:i + step] for i in range(0, len(pairs), step)]

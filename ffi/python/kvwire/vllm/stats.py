@@ -42,6 +42,9 @@ SERIES: dict[str, tuple] = {
     "d_first_tokens": ("counter", "kvwire_d_first_tokens", (), "D requests that produced their first token."),
     "d_failed": ("counter", "kvwire_d_requests_failed", ("reason",), "D requests failed (local_abort: aborted by vLLM)."),
     "d_bytes_received": ("counter", "kvwire_d_received_bytes", (), "KV bytes landed on D."),
+    "d_landings": ("counter", "kvwire_d_landings", (), "land requests that took landing-pool slots."),
+    "d_land_fallbacks": ("counter", "kvwire_d_land_fallbacks", (),
+                         "land requests that fell back to lazy (landing pool full)."),
     "d_block_seconds_waiting": ("counter", "kvwire_d_block_seconds_waiting", ("policy",),
                                 "Block-seconds D held reserved blocks before promotion or release."),
     "d_decomposition": ("histogram", "kvwire_d_decode_sent_to_first_token_seconds", ("part",),
@@ -50,6 +53,7 @@ SERIES: dict[str, tuple] = {
     "d_held_blocks": ("gauge", "kvwire_d_held_blocks", (), "D blocks reserved and waiting for KV now."),
     "d_held_block_seconds": ("gauge", "kvwire_d_held_block_seconds", (),
                              "Block-seconds held so far by the reservations still waiting."),
+    "d_landing_slots": ("gauge", "kvwire_d_landing_slots", (), "D landing-pool slots held now (land)."),
     # P side (scheduler, the PCore)
     "p_scheduled": ("counter", "kvwire_p_requests_scheduled", (), "Requests scheduled on P for remote decode."),
     "p_transfers": ("counter", "kvwire_p_transfers", (), "Layer transfers started by P."),
@@ -104,7 +108,8 @@ def split_key(key: str) -> tuple[str, list[str]]:
 def flatten_d(m: dict) -> tuple[dict, dict, dict]:
     """``DCore.metrics(now)`` -> (counters, hists, gauges), cumulative."""
     c = {k: m[k] for k in ("arrived", "reservations", "reserved_blocks", "releases", "released_blocks",
-                           "completed", "promoted", "first_tokens", "bytes_received")}
+                           "completed", "promoted", "first_tokens", "bytes_received", "landings",
+                           "land_fallbacks")}
     c = {f"d_{k}": v for k, v in c.items()}
     for reason, n in m["failed"].items():
         c[f"d_failed|{reason}"] = n
@@ -116,7 +121,27 @@ def flatten_d(m: dict) -> tuple[dict, dict, dict]:
     g = {f"d_requests|{s}": n for s, n in m["states"].items()}
     g["d_held_blocks"] = m["held_blocks"]
     g["d_held_block_seconds"] = m["held_block_seconds"]
+    g["d_landing_slots"] = m["landing_slots"]
     return c, h, g
+
+
+def merge(flat: list) -> tuple[dict, dict, dict]:
+    """Sums the flattened snapshots of several cores (one per policy or send mode)."""
+    counters, hists, gauges = {}, {}, {}
+    for c, h, g in flat:
+        for k, v in c.items():
+            counters[k] = counters.get(k, 0) + v
+        for k, v in g.items():
+            gauges[k] = gauges.get(k, 0) + v
+        for k, x in h.items():
+            have = hists.get(k)
+            if have is None:
+                hists[k] = {"buckets": list(x["buckets"]), "sum": x["sum"], "count": x["count"]}
+            else:
+                have["buckets"] = [a + b for a, b in zip(have["buckets"], x["buckets"])]
+                have["sum"] += x["sum"]
+                have["count"] += x["count"]
+    return counters, hists, gauges
 
 
 def flatten_p(m: dict) -> tuple[dict, dict, dict]:

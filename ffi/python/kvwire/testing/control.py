@@ -1,0 +1,123 @@
+"""Controlling a running stand-in worker from a test, through a directory.
+
+The worker reads ``$KVWIRE_STANDIN_CONTROL`` (a directory; unset: no control, no overhead):
+
+* ``layer_ms`` — a number: milliseconds of "compute" per layer in every step that computes
+  tokens (``$KVWIRE_STANDIN_LAYER_MS`` sets the value at start-up; the file overrides it and is
+  re-read every step);
+* ``hold.<layer>`` — while this file exists, a step that computes tokens stops before it
+  computes layer ``<layer>`` (after the earlier layers were computed and handed to the
+  connector). On stopping, the worker appends a line to ``held.<layer>``; it goes on once the
+  test removes ``hold.<layer>``. So a test orders events without timing: "hold layer 1, wait
+  until P is held, check what D has, release".
+* ``events.jsonl`` — the worker appends one JSON line per event: ``{"ev": "step", "rank": r,
+  "tokens": n, "reqs": [...]}`` for every step, ``{"ev": "layer", "layer": l, ...}`` once a
+  layer was computed in a step with prefill tokens, ``{"ev": "corrupt", ...}`` when a byte was
+  flipped on purpose (see :mod:`kvwire.testing.worker`).
+
+:class:`Control` is the test's side of it.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+
+ENV = "KVWIRE_STANDIN_CONTROL"
+LAYER_MS_ENV = "KVWIRE_STANDIN_LAYER_MS"
+
+
+class WorkerControl:
+    """The worker's side (one per worker process)."""
+
+    def __init__(self, rank: int = 0):
+        self.dir = os.environ.get(ENV) or None
+        self.rank = rank
+        try:
+            self.default_ms = float(os.environ.get(LAYER_MS_ENV, "0") or 0)
+        except ValueError:
+            self.default_ms = 0.0
+        self.layer_ms = self.default_ms
+
+    def begin_step(self, tokens: int, reqs) -> None:
+        if self.dir is None:
+            return
+        try:
+            with open(os.path.join(self.dir, "layer_ms")) as f:
+                self.layer_ms = float(f.read().strip() or 0)
+        except (OSError, ValueError):
+            self.layer_ms = self.default_ms
+        self.event(ev="step", tokens=tokens, reqs=list(reqs))
+
+    def before_layer(self, layer: int) -> None:
+        """Holds here while ``hold.<layer>`` exists."""
+        if self.dir is None:
+            return
+        hold = os.path.join(self.dir, f"hold.{layer}")
+        if os.path.exists(hold):
+            with open(os.path.join(self.dir, f"held.{layer}"), "a") as f:
+                f.write(f"{self.rank}\n")
+            while os.path.exists(hold):
+                time.sleep(0.002)
+
+    def compute(self) -> None:
+        if self.layer_ms > 0:
+            time.sleep(self.layer_ms / 1000.0)
+
+    def event(self, **fields) -> None:
+        if self.dir is None:
+            return
+        fields.setdefault("rank", self.rank)
+        fields["t_ns"] = time.monotonic_ns()
+        with open(os.path.join(self.dir, "events.jsonl"), "a") as f:
+            f.write(json.dumps(fields) + "\n")
+
+
+class Control:
+    """The test's side: ``Control(dir)`` and pass ``env()`` to the server."""
+
+    def __init__(self, path: str):
+        self.dir = path
+        os.makedirs(path, exist_ok=True)
+
+    def env(self) -> dict:
+        return {ENV: self.dir}
+
+    def set_layer_ms(self, ms: float) -> None:
+        with open(os.path.join(self.dir, "layer_ms"), "w") as f:
+            f.write(str(ms))
+
+    def hold(self, layer: int) -> None:
+        open(os.path.join(self.dir, f"hold.{layer}"), "w").close()
+
+    def release(self, layer: int) -> None:
+        try:
+            os.unlink(os.path.join(self.dir, f"hold.{layer}"))
+        except FileNotFoundError:
+            pass
+
+    def held(self, layer: int) -> int:
+        """How many times a worker stopped at ``layer``."""
+        try:
+            with open(os.path.join(self.dir, f"held.{layer}")) as f:
+                return sum(1 for _ in f)
+        except FileNotFoundError:
+            return 0
+
+    def wait_held(self, layer: int, count: int = 1, timeout: float = 120.0) -> None:
+        """Waits until a worker stopped at ``layer`` ``count`` times (the timeout only bounds a
+        hang: it is no assertion about speed)."""
+        end = time.monotonic() + timeout
+        while self.held(layer) < count:
+            if time.monotonic() > end:
+                raise TimeoutError(f"no worker reached layer {layer} ({self.held(layer)}/{count})")
+            time.sleep(0.01)
+
+    def events(self, ev: str | None = None) -> list[dict]:
+        try:
+            with open(os.path.join(self.dir, "events.jsonl")) as f:
+                out = [json.loads(line) for line in f if line.strip()]
+        except FileNotFoundError:
+            return []
+        return [e for e in out if ev is None or e.get("ev") == ev]
