@@ -1,15 +1,15 @@
 //! One cell of the matrix: P and D step loops on a virtual clock around the connector cores,
 //! with every layer moved through the real [`DataPath`].
 //!
-//! * [`p_engine`]: P's step loop (whole prompts, or chunked prefill with each chunk's blocks
+//! * `p_engine`: P's step loop (whole prompts, or chunked prefill with each chunk's blocks
 //!   streamed layer by layer), P's connector actions, what a router knows of P.
-//! * [`d_engine`]: D as vLLM's scheduler runs it: a decode batch whose KV grows one block per
+//! * `d_engine`: D as vLLM's scheduler runs it: a decode batch whose KV grows one block per
 //!   `block_tokens` generated tokens, local requests prefilled on D, admission in arrival
 //!   order, recompute preemption of the newest running request under block pressure, and the
-//!   prefix cache ([`kv::KvPool`]).
-//! * [`d_host`]: D's connector actions (reservation, landing slots, the local copy of a `land`
+//!   prefix cache (`kv::KvPool`).
+//! * `d_host`: D's connector actions (reservation, landing slots, the local copy of a `land`
 //!   request, reports), layers landing on D and their checks.
-//! * [`link`]: control messages and the data path's transfers on the virtual clock.
+//! * `link`: control messages and the data path's transfers on the virtual clock.
 
 mod d_engine;
 mod d_host;
