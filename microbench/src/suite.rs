@@ -6,8 +6,9 @@
 //! 1. `transfer` — the engine on loopback (serial, batch, KV-layer, read-back; every byte
 //!    verified), JSON in `transfer.json`;
 //! 2. `layerwise` — exposed tail of `whole` vs `layerwise` layer streams, `layerwise.json`;
-//! 3. `clock` — the decode_sent → first_token clock for eager|lazy|jit × whole|layerwise,
-//!    `clock.json`, `clock.png` and the timeline records `timeline.jsonl`;
+//! 3. `clock` — the decode_sent → first_token clock for eager|lazy|jit|land ×
+//!    whole|layerwise, with D as an engine (TTFT/TPOT, preemptions, prefix cache), `clock.json`,
+//!    `clock.png` and the timeline records `timeline.jsonl`;
 //! 4. `calibrate` — the router cost model fitted on that timeline, `cost.json`, with its
 //!    held-out error next to the seed model's;
 //! 5. `tax` — the always-on kv_both tax (connector core per step, idle engine CPU, vLLM's

@@ -1,6 +1,7 @@
 //! The real data path of the clock bench: a P engine and a D engine of the kvwire transfer
-//! engine in this process, connected over loopback (tcp or shm), each with one region holding
-//! its KV block pool, and every byte checked on both ends.
+//! engine in this process, connected over loopback (tcp or shm), P with one region holding its
+//! KV block pool, D with two (its KV block pool, and the landing pool of policy `land`), and
+//! every byte checked on both ends.
 //!
 //! Layout of a pool region: `layer` major, then block: the bytes of `(block, layer)` are at
 //! `(layer × pool_blocks + block) × layer_block_bytes`. One layer of a request is one batch of
@@ -13,7 +14,11 @@
 //! before posting a layer, P reads its blocks back and checks their CRC-32 against the
 //! pattern's (no other request overwrote them); when the layer lands, D reads its destination
 //! blocks and checks their CRC-32 against the same value. Stale bytes of an earlier request in
-//! a reused D block, a write to the wrong block, or a short write all fail the check.
+//! a reused D block, a write to the wrong block, or a short write all fail the check. A layer
+//! may also travel as several batches of runs of its blocks (chunked prefill streams each
+//! chunk's blocks); the CRC of any run follows from the per-block CRCs kept at staging
+//! ([`StagedCrcs`]). A `land` request lands in slots of the landing pool, is checked there,
+//! copied by D's engine into its KV blocks ([`DataPath::copy_landing`]) and checked again.
 
 use std::time::{Duration, Instant};
 
@@ -50,6 +55,54 @@ pub struct LayerTransfer {
     pub crc: u32,
 }
 
+/// Blocks of each pool of the data path.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Pools {
+    /// P's KV pool.
+    pub p: u32,
+    /// D's KV pool.
+    pub d: u32,
+    /// D's landing pool (policy `land`).
+    pub land: u32,
+}
+
+/// The CRC-32 of every block of every layer of one staged request.
+#[derive(Clone, Debug, Default)]
+pub struct StagedCrcs {
+    blocks: usize,
+    lbb: u64,
+    crcs: Vec<u32>,
+}
+
+impl StagedCrcs {
+    /// The CRC-32 of the pattern of blocks `a..b` (request block indices) of `layer`, as
+    /// they lie back to back; `None` outside the request.
+    pub fn range(&self, layer: u16, a: usize, b: usize) -> Option<u32> {
+        if a > b || b > self.blocks {
+            return None;
+        }
+        let base = usize::from(layer) * self.blocks;
+        let all = self.crcs.get(base + a..base + b)?;
+        let mut h = crc32fast::Hasher::new();
+        for &c in all {
+            h.combine(&crc32fast::Hasher::new_with_initial_len(c, self.lbb));
+        }
+        Some(h.finalize())
+    }
+
+    /// Blocks of the request.
+    pub fn blocks(&self) -> usize {
+        self.blocks
+    }
+}
+
+#[derive(Clone, Copy)]
+enum Side {
+    P,
+    D,
+    Landing,
+}
+
 /// The two engines, their pool regions and the connection P → D.
 pub struct DataPath {
     p: Engine,
@@ -58,8 +111,11 @@ pub struct DataPath {
     p_region: RegionHandle,
     d_region: RegionHandle,
     d_region_id: kvwire_transfer::RegionId,
+    land_region: RegionHandle,
+    land_region_id: kvwire_transfer::RegionId,
     p_pool: u32,
     d_pool: u32,
+    land_pool: u32,
     lbb: u64,
     run: u64,
     transport: String,
@@ -79,23 +135,30 @@ impl DataPath {
         DataPath::new(
             cfg.transport,
             cfg.layers,
-            cfg.p_pool_blocks,
-            cfg.d_pool_blocks,
+            Pools {
+                p: cfg.p_pool_blocks,
+                d: cfg.d_pool_blocks,
+                land: cfg.land_pool_blocks,
+            },
             cfg.layer_block_bytes(),
             cfg.seed ^ 0xC10C,
         )
     }
 
-    /// Starts both engines with `transport`, allocates the pools (`p_pool`, `d_pool` blocks
-    /// of `layers × layer_block_bytes`) and connects P to D.
+    /// Starts both engines with `transport`, allocates the pools (`pools` blocks of `layers ×
+    /// layer_block_bytes` each: P's, D's KV pool and D's landing pool) and connects P to D.
     pub fn new(
         transport: TransportKind,
         layers: u16,
-        p_pool: u32,
-        d_pool: u32,
+        pools: Pools,
         layer_block_bytes: u64,
         run: u64,
     ) -> Result<DataPath, ClockError> {
+        let Pools {
+            p: p_pool,
+            d: d_pool,
+            land: land_pool,
+        } = pools;
         if layer_block_bytes == 0 || layer_block_bytes % 8 != 0 {
             return Err(ClockError::Config(format!(
                 "bytes per block per layer ({layer_block_bytes}) must be a positive multiple of 8"
@@ -117,6 +180,11 @@ impl DataPath {
         let d_region = d
             .alloc_region(d_len as usize, Access::WriteOnly)
             .map_err(eng("allocating D's pool"))?;
+        // The landing pool is a region of its own (at least one block, so that it exists).
+        let land_len = u64::from(land_pool.max(1)) * u64::from(layers) * layer_block_bytes;
+        let land_region = d
+            .alloc_region(land_len as usize, Access::WriteOnly)
+            .map_err(eng("allocating D's landing pool"))?;
         let peer = p
             .connect(d.listen_addr())
             .map_err(eng("connecting P to D"))?;
@@ -130,7 +198,11 @@ impl DataPath {
         // Touch every page of both pools once, so that no measured transfer pays for first
         // faults of fresh memory (the first cell would otherwise look slower than the rest).
         let zeros = vec![0u8; 1 << 20];
-        for (eng, region, len) in [(&p, p_region, p_len), (&d, d_region, d_len)] {
+        for (eng, region, len) in [
+            (&p, p_region, p_len),
+            (&d, d_region, d_len),
+            (&d, land_region, land_len),
+        ] {
             let mut off = 0u64;
             while off < len {
                 let n = (len - off).min(zeros.len() as u64) as usize;
@@ -142,34 +214,40 @@ impl DataPath {
         // And write all of D's pool once through the engine: the transport's own mappings of
         // D's memory (shm maps the target's region into P) fault in here, not in a cell.
         let d_region_id = d.region_id(d_region);
+        let land_region_id = d.region_id(land_region);
         let chunk = (4u64 << 20).min(p_len).max(8);
-        let mut off = 0u64;
-        while off < d_len {
-            let mut ops = Vec::new();
-            while off < d_len && ops.len() < 16 {
-                let n = (d_len - off).min(chunk);
-                ops.push(Op {
-                    local: p_region,
-                    local_offset: 0,
-                    remote: d_region_id,
-                    remote_offset: off,
-                    len: n,
-                });
-                off += n;
+        for (remote, len) in [(d_region_id, d_len), (land_region_id, land_len)] {
+            let mut off = 0u64;
+            while off < len {
+                let mut ops = Vec::new();
+                while off < len && ops.len() < 16 {
+                    let n = (len - off).min(chunk);
+                    ops.push(Op {
+                        local: p_region,
+                        local_offset: 0,
+                        remote,
+                        remote_offset: off,
+                        len: n,
+                    });
+                    off += n;
+                }
+                p.write(&peer, &ops, None, Some(DEADLINE))
+                    .and_then(|b| b.wait())
+                    .map_err(eng_err("warming up the data path"))?;
             }
-            p.write(&peer, &ops, None, Some(DEADLINE))
-                .and_then(|b| b.wait())
-                .map_err(eng_err("warming up the data path"))?;
         }
         Ok(DataPath {
             d_region_id,
+            land_region_id,
             p,
             d,
             peer,
             p_region,
             d_region,
+            land_region,
             p_pool,
             d_pool,
+            land_pool: land_pool.max(1),
             lbb: layer_block_bytes,
             run,
             transport,
@@ -209,19 +287,24 @@ impl DataPath {
     }
 
     /// Writes the request's pattern into P's `blocks` for every layer; returns the CRC-32 of
-    /// each layer's pattern.
-    pub fn stage(&mut self, req: u64, layers: u16, blocks: &[u32]) -> Result<Vec<u32>, ClockError> {
-        let mut crcs = Vec::with_capacity(layers as usize);
+    /// every block of every layer, from which the CRC of any run of blocks follows
+    /// ([`StagedCrcs::range`]).
+    pub fn stage(
+        &mut self,
+        req: u64,
+        layers: u16,
+        blocks: &[u32],
+    ) -> Result<StagedCrcs, ClockError> {
+        let mut crcs = Vec::with_capacity(layers as usize * blocks.len());
         self.scratch.resize(self.lbb as usize, 0);
         for layer in 0..layers {
-            let mut h = crc32fast::Hasher::new();
             for (i, &b) in blocks.iter().enumerate() {
                 fill(
                     &mut self.scratch,
                     seed_of(self.run, req, layer, i as u32),
                     0,
                 );
-                h.update(&self.scratch);
+                crcs.push(crc32fast::hash(&self.scratch));
                 let off = self.off(self.p_pool, b, layer);
                 self.p
                     .local_write(self.p_region, off, &self.scratch)
@@ -230,19 +313,22 @@ impl DataPath {
                         source: e,
                     })?;
             }
-            crcs.push(h.finalize());
         }
-        Ok(crcs)
+        Ok(StagedCrcs {
+            blocks: blocks.len(),
+            lbb: self.lbb,
+            crcs,
+        })
     }
 
-    fn crc_of(&mut self, d_side: bool, blocks: &[u32], layer: u16) -> Result<u32, ClockError> {
+    fn crc_of(&mut self, side: Side, blocks: &[u32], layer: u16) -> Result<u32, ClockError> {
         let mut h = crc32fast::Hasher::new();
         self.scratch.resize(self.lbb as usize, 0);
         for &b in blocks {
-            let (eng, region, pool) = if d_side {
-                (&self.d, self.d_region, self.d_pool)
-            } else {
-                (&self.p, self.p_region, self.p_pool)
+            let (eng, region, pool) = match side {
+                Side::P => (&self.p, self.p_region, self.p_pool),
+                Side::D => (&self.d, self.d_region, self.d_pool),
+                Side::Landing => (&self.d, self.land_region, self.land_pool),
             };
             let off = (u64::from(layer) * u64::from(pool) + u64::from(b)) * self.lbb;
             eng.local_read(region, off, &mut self.scratch)
@@ -255,9 +341,10 @@ impl DataPath {
         Ok(h.finalize())
     }
 
-    /// Transfers one layer: checks P's source blocks against `expected_crc`, posts one batch
-    /// `src[i] → dst[i]` with a notification, waits for the batch and for D's engine to
-    /// deliver the notification, and returns what was measured. A source mismatch is
+    /// Transfers one layer (or a run of its blocks): checks P's source blocks against
+    /// `expected_crc`, posts one batch `src[i] → dst[i]` (`dst` in D's KV pool, or in its
+    /// landing pool when `landing`) with a notification, waits for the batch and for D's engine
+    /// to deliver the notification, and returns what was measured. A source mismatch is
     /// [`ClockError::Corrupt`].
     pub fn transfer(
         &mut self,
@@ -265,6 +352,7 @@ impl DataPath {
         layer: u16,
         src: &[u32],
         dst: &[u32],
+        landing: bool,
         expected_crc: u32,
     ) -> Result<LayerTransfer, ClockError> {
         if src.len() != dst.len() {
@@ -274,20 +362,25 @@ impl DataPath {
                 dst.len()
             )));
         }
-        let crc = self.crc_of(false, src, layer)?;
+        let crc = self.crc_of(Side::P, src, layer)?;
         if crc != expected_crc {
             return Err(ClockError::Corrupt(format!(
                 "request {req} layer {layer}: P's blocks hold crc {crc:08x}, pattern {expected_crc:08x}"
             )));
         }
+        let (remote, pool) = if landing {
+            (self.land_region_id, self.land_pool)
+        } else {
+            (self.d_region_id, self.d_pool)
+        };
         let ops: Vec<Op> = src
             .iter()
             .zip(dst)
             .map(|(&s, &d)| Op {
                 local: self.p_region,
                 local_offset: self.off(self.p_pool, s, layer),
-                remote: self.d_region_id,
-                remote_offset: self.off(self.d_pool, d, layer),
+                remote,
+                remote_offset: self.off(pool, d, layer),
                 len: self.lbb,
             })
             .collect();
@@ -357,6 +450,12 @@ impl DataPath {
         self.frozen_ns_per_byte = Some(v);
     }
 
+    /// From now on [`DataPath::typical_ns_per_byte`] returns `ns_per_byte`: a link of a given
+    /// speed ([`ClockConfig::link_gbps`]) instead of the measured one.
+    pub fn freeze_speed_at(&mut self, ns_per_byte: f64) {
+        self.frozen_ns_per_byte = Some(ns_per_byte);
+    }
+
     /// Forgets the measured layers of the speed window.
     pub fn clear_speed_window(&mut self) {
         self.recent_ns_per_byte.clear();
@@ -367,9 +466,16 @@ impl DataPath {
         self.frozen_ns_per_byte
     }
 
-    /// D's check of a landed layer: the CRC-32 of its destination blocks.
-    pub fn landed_crc(&mut self, blocks: &[u32], layer: u16) -> Result<u32, ClockError> {
-        self.crc_of(true, blocks, layer)
+    /// D's check of a landed layer: the CRC-32 of its destination blocks (in the landing pool
+    /// when `landing`).
+    pub fn landed_crc(
+        &mut self,
+        blocks: &[u32],
+        layer: u16,
+        landing: bool,
+    ) -> Result<u32, ClockError> {
+        let side = if landing { Side::Landing } else { Side::D };
+        self.crc_of(side, blocks, layer)
     }
 
     /// The CRC-32 the pattern of `(req, layer)` over `n` blocks has (for tests of the check).
@@ -377,15 +483,57 @@ impl DataPath {
         self.pattern_crc(req, layer, n)
     }
 
-    /// Flips one byte of D's block `block`, layer `layer` (fault injection: proves the check
-    /// catches corruption).
-    pub fn corrupt_d(&mut self, block: u32, layer: u16) -> Result<(), ClockError> {
-        let off = self.off(self.d_pool, block, layer);
+    /// D's local copy of a `land` request: every layer of landing slot `slots[i]` into KV
+    /// block `blocks[i]`, read and written through D's engine. Returns the bytes copied.
+    pub fn copy_landing(
+        &mut self,
+        slots: &[u32],
+        blocks: &[u32],
+        layers: u16,
+    ) -> Result<u64, ClockError> {
+        if slots.len() != blocks.len() {
+            return Err(ClockError::Config(format!(
+                "{} landing slots copied into {} blocks",
+                slots.len(),
+                blocks.len()
+            )));
+        }
+        let eng = |e| ClockError::Engine {
+            what: "copying landing slots into KV blocks",
+            source: e,
+        };
+        self.scratch.resize(self.lbb as usize, 0);
+        let mut bytes = 0u64;
+        for layer in 0..layers {
+            for (&s, &b) in slots.iter().zip(blocks) {
+                let from = self.off(self.land_pool, s, layer);
+                let to = self.off(self.d_pool, b, layer);
+                self.d
+                    .local_read(self.land_region, from, &mut self.scratch)
+                    .map_err(eng)?;
+                self.d
+                    .local_write(self.d_region, to, &self.scratch)
+                    .map_err(eng)?;
+                bytes += self.lbb;
+            }
+        }
+        Ok(bytes)
+    }
+
+    /// Flips one byte of D's block `block` (a landing slot when `landing`), layer `layer`
+    /// (fault injection: proves the check catches corruption).
+    pub fn corrupt_d(&mut self, block: u32, layer: u16, landing: bool) -> Result<(), ClockError> {
+        let (region, pool) = if landing {
+            (self.land_region, self.land_pool)
+        } else {
+            (self.d_region, self.d_pool)
+        };
+        let off = self.off(pool, block, layer);
         let mut b = [0u8; 1];
-        // D's region is write-only for peers, but D's own engine reads and writes it locally.
+        // D's regions are write-only for peers, but D's own engine reads and writes them.
         self.d
-            .local_read(self.d_region, off, &mut b)
-            .and_then(|_| self.d.local_write(self.d_region, off, &[b[0] ^ 0x5a]))
+            .local_read(region, off, &mut b)
+            .and_then(|_| self.d.local_write(region, off, &[b[0] ^ 0x5a]))
             .map_err(|e| ClockError::Engine {
                 what: "injecting corruption",
                 source: e,

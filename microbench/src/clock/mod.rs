@@ -1,24 +1,43 @@
 //! `kvwire-bench clock`: the `decode_sent → first_token` clock of P/D disaggregation, per
-//! reservation policy (eager, lazy, jit) × send mode (whole, layerwise), with real transfers.
+//! reservation policy (eager, lazy, jit, land) × send mode (whole, layerwise), with real
+//! transfers, and what reservation costs a D that is a real engine.
 //!
 //! # What runs
 //!
 //! * **P** is a step loop: it batches queued requests under a token budget, allocates their
 //!   blocks from its pool, and runs a prefill step of `p_step_base + p_step_per_token ×
-//!   uncached tokens`; layer `l` of every request in the step becomes ready at `(l+1)/L` of
-//!   the step, prefill is done at its end.
-//! * **D** is a step loop as vLLM's: it reserves blocks for the requests the connector core
-//!   allows (in arrival order; when the head does not fit, the step is an *admission stall*),
-//!   reports finished layers at the end of a step, promotes them one step later (async
-//!   scheduling), decodes with a step of `d_step_base + d_step_per_running × running`, and
-//!   frees a request's blocks after its last output token.
+//!   uncached tokens` (plus an attention term, [`ClockConfig::p_step_per_token_sq`]); layer
+//!   `l` of every request in the step becomes ready at `(l+1)/L` of the step, prefill is done
+//!   at its end. With chunked prefill ([`ClockConfig::chunk_tokens`]) a step computes at most
+//!   one chunk of tokens, started requests first, so a long prompt takes one chunk per step;
+//!   with layerwise send, each chunk's completed blocks of a layer go out as soon as the
+//!   chunk passed that layer (the host streams them itself from the core's
+//!   [`kvwire_connector::PAction::Destination`], as vLLM's worker will).
+//! * **D** is an engine as vLLM's scheduler runs it ([`sim`]): running requests first — each
+//!   decode one token, its KV one more block every `block_tokens` tokens; local requests
+//!   (kv_both: [`RequestSpec::local`]) prefilled on D in chunks under a token budget — with
+//!   recompute preemption of the newest running request when the pool (free plus evictable
+//!   cached blocks) runs out; then the waiting queue in arrival order: P/D requests the
+//!   connector core allows to reserve (when the head does not fit, the step is an *admission
+//!   stall*), local and preempted requests. It reports finished layers at the end of a step,
+//!   promotes them one step later (async scheduling), frees a request's blocks after its last
+//!   output token, and keeps the full blocks of each context (prompt and output) in an LRU
+//!   prefix cache: a later turn of a session finds them (local requests always; P/D requests
+//!   with [`ClockConfig::d_prefix_cache`], through [`kvwire_connector::DEvent::PrefixHit`], and
+//!   P sends only the rest). Reserved blocks of P/D requests whose KV has not arrived are not
+//!   preemptible and compete with all of it.
+//! * Policy `land`: D gives a request slots of a bounded landing pool (a region of its own in
+//!   D's engine) from P's start; P writes there; once every layer landed D reserves KV blocks,
+//!   copies the slots into them through its engine and checks every layer again before the
+//!   request is reported. A full landing pool falls back to `lazy` (counted).
 //! * The **connector core** ([`kvwire_connector::DSide`], [`kvwire_connector::PSide`]) sits
 //!   between them unchanged: its messages are encoded with the real codec and carried over a
 //!   simulated control link (fixed latency, FIFO).
 //! * **Every layer the P core asks to transfer is moved for real** through two kvwire
 //!   transfer engines in this process, P's and D's, connected over loopback (`tcp`, or `shm`;
-//!   [`datapath`]), one batch per layer with a notification, and the bytes are checked on P
-//!   before and on D after (CRC-32 of a per-request, per-layer, per-block pattern).
+//!   [`datapath`]), one batch per layer (or per chunk and layer when streaming) with a
+//!   notification, and the bytes are checked on P before and on D after (CRC-32 of a
+//!   per-request, per-layer, per-block pattern).
 //!
 //! # The clock, and why it is virtual
 //!
@@ -66,31 +85,40 @@
 //!
 //! Per cell: `decode_sent → first_token` p50/p90/p99 and the connector's decomposition of
 //! it ([`kvwire_connector::timeline::decompose`]: wait for P, reservation wait, exposed
-//! transfer, report delay, promotion delay, first step), D block-seconds held while waiting
-//! (reserved → promoted), admission stalls, writes per request, bytes verified. As a table
-//! ([`report::table`]), JSON ([`report::to_json`]), a PNG ([`plot::render_png`]) and timeline
-//! JSON lines for the calibrator ([`report::timeline_lines`]).
+//! transfer, report delay, promotion delay, first step), the exposed tail after P's last
+//! chunk, D block-seconds held while waiting (reserved → promoted), admission stalls,
+//! writes per request, bytes verified; and D as an engine: TTFT and TPOT of every request D
+//! serves (local and P/D), preemptions, its prefix-cache hit rate next to plain vLLM's (D
+//! serving its local requests alone, run once per matrix), `land`'s fallbacks, wire bytes
+//! against the whole contexts'. As a table ([`report::table`]), JSON ([`report::to_json`]), a
+//! PNG ([`plot::render_png`]) and timeline JSON lines for the calibrator
+//! ([`report::timeline_lines`]).
 //!
 //! Scenarios ([`Scenario`]): `pd`, the router sends the request to P and D together; and
 //! `migration` (PD-sep), the KV is already cached on the source, so P's step computes nothing,
-//! and `decode_sent` comes after P's prefill is done.
+//! and `decode_sent` comes after P's prefill is done. Presets ([`Preset`]): `full`, `quick`,
+//! and `study` ([`ClockConfig::study`]: the seed study's model, engines and trace statistics,
+//! every other number stated in [`ClockConfig::assumptions`] and the report).
 
 pub mod cli;
+pub mod config;
 pub mod datapath;
 pub mod plot;
 pub mod report;
 pub mod sim;
+pub mod table;
+pub mod trace;
 pub mod workload;
 
 use std::time::Duration;
 
-use kvwire_connector::{Nanos, Policy, SendMode, MS};
-use kvwire_transfer::TransportKind;
+use kvwire_connector::{Policy, SendMode};
 
 pub use cli::{cli_main, ClockArgs};
+pub use config::{ClockConfig, Preset};
 pub use report::{CellSummary, ClockReport};
-pub use sim::{CellRun, HeldBlocks, PoolHeld, SrcLoad};
-pub use workload::{AgenticMix, RequestSpec};
+pub use sim::{CellRun, HeldBlocks, HostRecord, PoolHeld, ServedRecord, SrcLoad};
+pub use workload::{AgenticMix, RequestSpec, SessionMix};
 
 /// Where `decode_sent` falls.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, serde::Serialize)]
@@ -176,116 +204,6 @@ pub enum ClockError {
     Plot(String),
 }
 
-/// Everything a run depends on.
-#[derive(Clone, Debug)]
-pub struct ClockConfig {
-    /// Seed of the workload.
-    pub seed: u64,
-    /// Scenario.
-    pub scenario: Scenario,
-    /// Transport of the data path.
-    pub transport: TransportKind,
-    /// Policies to run.
-    pub policies: Vec<Policy>,
-    /// Send modes to run.
-    pub send_modes: Vec<SendMode>,
-    /// Model layers.
-    pub layers: u16,
-    /// Tokens per KV block.
-    pub block_tokens: u32,
-    /// KV bytes per token (all layers) of the modelled model.
-    pub model_bytes_per_token: u64,
-    /// KV bytes per token (all layers) actually moved by the bench.
-    pub wire_bytes_per_token: u64,
-    /// Factor from measured wall time of a transfer to its virtual duration.
-    pub transfer_scale: f64,
-    /// Blocks in P's pool.
-    pub p_pool_blocks: u32,
-    /// Blocks in D's pool.
-    pub d_pool_blocks: u32,
-    /// Fixed cost of a P step.
-    pub p_step_base: Nanos,
-    /// P step cost per uncached token.
-    pub p_step_per_token: Nanos,
-    /// Most uncached tokens per P step (a longer prompt runs alone).
-    pub p_token_budget: u32,
-    /// Fixed cost of a D step with requests running.
-    pub d_step_base: Nanos,
-    /// D step cost per running request.
-    pub d_step_per_running: Nanos,
-    /// Idle D loop period.
-    pub d_idle_poll: Nanos,
-    /// One-way latency of control messages.
-    pub msg_latency: Nanos,
-    /// Bound on virtual time of one cell.
-    pub max_virtual: Nanos,
-    /// Bound on wall time of one cell.
-    pub max_wall: Duration,
-    /// Which measured speed turns a layer's bytes into virtual time.
-    pub link_speed: LinkSpeed,
-    /// Fault injection (tests): corrupt D's copy of the n-th landing (1-based) before it is
-    /// checked.
-    pub fault_corrupt_landing: Option<u64>,
-}
-
-impl ClockConfig {
-    /// The full run: 8 layers of the seed model's 96 KiB/token moved at 1 KiB/token (scale
-    /// 96: a layer of a mean request is about 1.7 MB on the wire, so the engine's fixed cost
-    /// per batch is a small part of its measured time), 128-token blocks, P prefill `5 ms + 80 µs/token` under a 16k-token budget (about
-    /// 12k tokens/s: an estimate for a 3B-active MoE on an H20-class GPU, not a measurement),
-    /// D step `10 ms + 0.1 ms/running`, D pool of 2048 blocks (262k tokens), P pool of 4096.
-    pub fn full(seed: u64) -> Self {
-        let model = 96 * 1024;
-        let wire = 1024;
-        ClockConfig {
-            seed,
-            scenario: Scenario::Pd,
-            transport: TransportKind::Auto,
-            policies: Policy::ALL.to_vec(),
-            send_modes: vec![SendMode::Whole, SendMode::Layerwise],
-            layers: 8,
-            block_tokens: 128,
-            model_bytes_per_token: model,
-            wire_bytes_per_token: wire,
-            transfer_scale: model as f64 / wire as f64,
-            p_pool_blocks: 4096,
-            d_pool_blocks: 2048,
-            p_step_base: 5 * MS,
-            p_step_per_token: 80_000,
-            p_token_budget: 16_384,
-            d_step_base: 10 * MS,
-            d_step_per_running: 100_000,
-            d_idle_poll: MS,
-            msg_latency: 50_000,
-            max_virtual: 100_000 * kvwire_connector::SEC,
-            max_wall: Duration::from_secs(600),
-            link_speed: LinkSpeed::Frozen,
-            fault_corrupt_landing: None,
-        }
-    }
-
-    /// A run of seconds for tests (debug builds included): 64 B/token on the wire, stretched
-    /// only ×8 (so the modelled KV is 512 B/token: the link stays far from saturation even
-    /// with an unoptimised engine, and the ordering of the cells comes from the policies, not
-    /// from transfer noise), smaller pools.
-    pub fn quick(seed: u64) -> Self {
-        let mut c = Self::full(seed);
-        c.wire_bytes_per_token = 64;
-        c.model_bytes_per_token = 64 * 8;
-        c.transfer_scale = 8.0;
-        c.p_pool_blocks = 1024;
-        c.d_pool_blocks = 400;
-        c.max_wall = Duration::from_secs(120);
-        c
-    }
-
-    /// Bytes of one block of one layer moved on the wire.
-    pub fn layer_block_bytes(&self) -> u64 {
-        let b = self.wire_bytes_per_token * u64::from(self.block_tokens) / u64::from(self.layers);
-        b.div_ceil(8) * 8
-    }
-}
-
 /// One-block batches timed to estimate the engine's fixed cost per batch.
 pub const FIXED_COST_ROUNDS: usize = 64;
 
@@ -293,42 +211,46 @@ pub const FIXED_COST_ROUNDS: usize = 64;
 pub const WARMUP_REQUESTS: usize = 40;
 
 /// Runs every cell of the matrix over `specs` (the same requests for every cell) on one pair
-/// of engines.
+/// of engines; with local requests in `specs`, also the reference cell of plain vLLM: D
+/// serving its local requests alone (no P/D request decodes on it, nothing is reserved ahead
+/// of its KV).
 pub fn run_matrix(cfg: &ClockConfig, specs: &[RequestSpec]) -> Result<ClockReport, ClockError> {
-    if specs.is_empty() {
-        return Err(ClockError::Config("no requests".into()));
+    if !specs.iter().any(|s| !s.local) {
+        return Err(ClockError::Config("no P/D requests".into()));
     }
-    if cfg.layers == 0 || cfg.block_tokens == 0 || cfg.wire_bytes_per_token == 0 {
-        return Err(ClockError::Config(
-            "layers, block tokens and wire bytes per token must be positive".into(),
-        ));
-    }
-    if !(cfg.transfer_scale.is_finite() && cfg.transfer_scale > 0.0) {
-        return Err(ClockError::Config("transfer scale must be positive".into()));
-    }
+    config::check(cfg)?;
     let mut dp = datapath::DataPath::for_config(cfg)?;
     let mut cells = Vec::new();
+    let mut baseline = None;
     let mut fixed = Duration::ZERO;
     let result = (|| {
         // A warm-up cell, discarded: the first cell run on fresh engines is measurably slower
         // (measured: about 2/3 of the later cells' throughput on shm) for reasons other than
         // the policy under test.
-        let warm = &specs[..specs.len().min(WARMUP_REQUESTS)];
+        let warm: Vec<RequestSpec> = specs
+            .iter()
+            .filter(|s| !s.local)
+            .take(WARMUP_REQUESTS)
+            .cloned()
+            .collect();
         let mut wcfg = cfg.clone();
         wcfg.fault_corrupt_landing = None;
         sim::run_cell(
             &wcfg,
-            warm,
+            &warm,
             &mut dp,
             Duration::ZERO,
             Policy::Jit,
             SendMode::Whole,
         )?;
         fixed = dp.probe_fixed_cost(FIXED_COST_ROUNDS)?;
-        if cfg.link_speed == LinkSpeed::Frozen {
+        if let Some(gbps) = cfg.link_gbps {
+            // A given link speed: modelled bytes per ns are wire bytes per ns after the stretch.
+            dp.freeze_speed_at(1.0 / gbps);
+        } else if cfg.link_speed == LinkSpeed::Frozen {
             // Measure the speed with the fixed cost known, then keep it for every cell.
             dp.clear_speed_window();
-            sim::run_cell(&wcfg, warm, &mut dp, fixed, Policy::Jit, SendMode::Whole)?;
+            sim::run_cell(&wcfg, &warm, &mut dp, fixed, Policy::Jit, SendMode::Whole)?;
             dp.freeze_speed();
         }
         for &send_mode in &cfg.send_modes {
@@ -338,12 +260,24 @@ pub fn run_matrix(cfg: &ClockConfig, specs: &[RequestSpec]) -> Result<ClockRepor
                 )?);
             }
         }
+        let local: Vec<RequestSpec> = specs.iter().filter(|s| s.local).cloned().collect();
+        if !local.is_empty() {
+            baseline = Some(sim::run_cell(
+                cfg,
+                &local,
+                &mut dp,
+                fixed,
+                Policy::Eager,
+                SendMode::Whole,
+            )?);
+        }
         Ok::<(), ClockError>(())
     })();
     let transport = dp.transport().to_string();
     dp.shutdown();
     result?;
     let mut r = ClockReport::new(cfg, specs, &transport, fixed, cells);
+    r.set_baseline(baseline);
     r.frozen_ns_per_byte = dp.frozen_ns_per_byte();
     Ok(r)
 }

@@ -1,9 +1,12 @@
 //! The figure of a clock run (PNG, drawn with plotters and an embedded DejaVu Sans font, so
 //! no system font is needed).
 //!
-//! Left: per cell, the mean `decode_sent → first_token` cut into the connector's six
-//! segments (stacked bars, ms), with the p50 and p90 of the clock marked. Right: D
-//! block-seconds held while waiting, per cell.
+//! Top left: per cell, the mean `decode_sent → first_token` cut into the connector's six
+//! segments (stacked bars, ms), with the p50 and p90 of the clock marked. Top right: D
+//! block-seconds held while waiting, per cell. Bottom left: TTFT p50 and p90 of every request
+//! D serves (P/D and local) and the exposed tail after P's last chunk (p90). Bottom right:
+//! preemptions per cell, labelled with TPOT p90, D's prefix-cache hit rate and `land`'s
+//! fallbacks.
 
 use std::path::Path;
 use std::sync::Once;
@@ -57,22 +60,30 @@ fn perr<E: std::fmt::Display>(e: E) -> ClockError {
     ClockError::Plot(e.to_string())
 }
 
-/// Draws the figure into `path` (PNG, 1600×800).
+/// Width and height of the figure.
+pub const SIZE: (u32, u32) = (1600, 1250);
+
+/// Draws the figure into `path` (PNG, [`SIZE`]).
 pub fn render_png(r: &ClockReport, path: &Path) -> Result<(), ClockError> {
     register_font()?;
-    let root = BitMapBackend::new(path, (1600, 800)).into_drawing_area();
+    let root = BitMapBackend::new(path, SIZE).into_drawing_area();
     root.fill(&WHITE).map_err(perr)?;
     let title = format!(
-        "decode_sent → first_token by policy × send mode — scenario {}, {} requests/cell, transport {}, link speed {}",
+        "decode_sent → first_token by policy × send mode — preset {}, scenario {}, {} P/D + {} local requests/cell, transport {}, link {}",
+        r.config.preset.name(),
         r.config.scenario.name(),
         r.requests,
+        r.local_requests,
         r.transport,
-        r.config.link_speed.name()
+        r.config
+            .link_gbps
+            .map_or_else(|| r.config.link_speed.name().to_string(), |g| format!("{g} GB/s"))
     );
     let root = root
         .titled(&title, (FONT, 24).into_font().style(FontStyle::Bold))
         .map_err(perr)?;
-    let (left, right) = root.split_horizontally(1060);
+    let (top, bottom) = root.split_vertically(780);
+    let (left, right) = top.split_horizontally(1060);
     let n = r.summaries.len();
     let names: Vec<String> = r
         .summaries
@@ -245,7 +256,158 @@ pub fn render_png(r: &ClockReport, path: &Path) -> Result<(), ClockError> {
             }))
             .map_err(perr)?;
     }
+    draw_d_engine(r, &bottom, &names)?;
     root.present().map_err(perr)?;
+    Ok(())
+}
+
+/// One figure of a cell.
+type Metric = fn(&super::report::CellSummary) -> f64;
+
+/// The bottom row: D as an engine.
+fn draw_d_engine<DB: DrawingBackend>(
+    r: &ClockReport,
+    area: &DrawingArea<DB, plotters::coord::Shift>,
+    names: &[String],
+) -> Result<(), ClockError>
+where
+    DB::ErrorType: 'static,
+{
+    let n = r.summaries.len();
+    let (left, right) = area.split_horizontally(1060);
+    let label_of = |x: &f64| -> String {
+        let i = x.round();
+        if (x - i).abs() < 1e-6 && i >= 0.0 && (i as usize) < names.len() {
+            names[i as usize].clone()
+        } else {
+            String::new()
+        }
+    };
+    {
+        let ymax = r
+            .summaries
+            .iter()
+            .map(|s| s.served.ttft_ms.p90.max(s.tail_ms.p90))
+            .fold(1.0f64, f64::max)
+            * 1.3;
+        let mut chart = ChartBuilder::on(&left)
+            .margin(20)
+            .x_label_area_size(50)
+            .y_label_area_size(90)
+            .caption(
+                "every request D serves: TTFT p50 / p90; tail after P's last chunk p90 (ms)",
+                (FONT, 20),
+            )
+            .build_cartesian_2d(-0.6f64..(n as f64 - 0.4), 0f64..ymax)
+            .map_err(perr)?;
+        chart
+            .configure_mesh()
+            .disable_x_mesh()
+            .x_labels(n * 2 + 1)
+            .x_label_formatter(&label_of)
+            .x_label_style((FONT, 15))
+            .y_label_style((FONT, 16))
+            .y_label_formatter(&|v| format!("{v:.0}"))
+            .light_line_style(RGBColor(238, 238, 238))
+            .y_desc("milliseconds")
+            .axis_desc_style((FONT, 18))
+            .draw()
+            .map_err(perr)?;
+        let bars: [(&str, f64, RGBColor, Metric); 3] = [
+            ("TTFT p50", -0.27, COLORS[0], |s| s.served.ttft_ms.p50),
+            ("TTFT p90", 0.0, COLORS[3], |s| s.served.ttft_ms.p90),
+            ("tail p90", 0.27, COLORS[2], |s| s.tail_ms.p90),
+        ];
+        for (label, dx, color, get) in bars {
+            chart
+                .draw_series((0..n).map(|i| {
+                    let x = i as f64 + dx;
+                    Rectangle::new(
+                        [(x - 0.12, 0.0), (x + 0.12, get(&r.summaries[i]))],
+                        color.filled(),
+                    )
+                }))
+                .map_err(perr)?
+                .label(label)
+                .legend(move |(x, y)| {
+                    Rectangle::new([(x, y - 7), (x + 14, y + 7)], color.filled())
+                });
+        }
+        chart
+            .configure_series_labels()
+            .position(SeriesLabelPosition::UpperRight)
+            .label_font((FONT, 16))
+            .background_style(WHITE.mix(0.85))
+            .border_style(BLACK)
+            .draw()
+            .map_err(perr)?;
+    }
+    {
+        let pmax = r
+            .summaries
+            .iter()
+            .map(|s| s.preemptions as f64)
+            .fold(1.0f64, f64::max)
+            * 1.9;
+        let mut chart = ChartBuilder::on(&right)
+            .margin(20)
+            .x_label_area_size(50)
+            .y_label_area_size(140)
+            .caption(
+                "D preemptions (TPOT p90 · APC · land fallbacks)",
+                (FONT, 19),
+            )
+            .build_cartesian_2d(0f64..pmax, -0.6f64..(n as f64 - 0.4))
+            .map_err(perr)?;
+        chart
+            .configure_mesh()
+            .disable_y_mesh()
+            .y_labels(n * 2 + 1)
+            .y_label_formatter(&|y| label_of(&(n as f64 - 1.0 - y)))
+            .y_label_style((FONT, 15))
+            .x_labels(5)
+            .x_label_formatter(&|v| {
+                if pmax < 10.0 {
+                    format!("{v:.1}")
+                } else {
+                    format!("{v:.0}")
+                }
+            })
+            .x_label_style((FONT, 15))
+            .light_line_style(RGBColor(238, 238, 238))
+            .x_desc("running requests preempted")
+            .axis_desc_style((FONT, 18))
+            .draw()
+            .map_err(perr)?;
+        let row = |i: usize| (n - 1 - i) as f64;
+        chart
+            .draw_series((0..n).map(|i| {
+                Rectangle::new(
+                    [
+                        (0.0, row(i) - 0.35),
+                        (r.summaries[i].preemptions as f64, row(i) + 0.35),
+                    ],
+                    COLORS[5].filled(),
+                )
+            }))
+            .map_err(perr)?;
+        chart
+            .draw_series((0..n).map(|i| {
+                let s = &r.summaries[i];
+                let apc = s
+                    .apc
+                    .map_or_else(|| "-".to_string(), |a| format!("{:.0}%", 100.0 * a));
+                Text::new(
+                    format!(
+                        "{} · {:.0} ms · {} · {}",
+                        s.preemptions, s.served.tpot_ms.p90, apc, s.land_fallbacks
+                    ),
+                    (s.preemptions as f64 + pmax * 0.01, row(i) + 0.1),
+                    (FONT, 14).into_font(),
+                )
+            }))
+            .map_err(perr)?;
+    }
     Ok(())
 }
 

@@ -1,9 +1,11 @@
-//! Request mixes for the clock bench: a synthetic agentic mix and trace files.
-
-use std::path::Path;
+//! Request mixes for the clock bench: a synthetic agentic mix, sessions of turns (the study's
+//! trace statistics), fixed prompt lengths, local (kv_both) requests next to the P/D ones, and
+//! trace files ([`super::trace`]).
 
 use kvwire_connector::sim::rng::Rng;
 use kvwire_connector::{Nanos, SEC};
+
+pub use super::trace::{parse_trace, read_trace, TraceError, MAX_TRACE_TOKENS};
 
 /// One request of a run, the same for every cell of the matrix.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -16,14 +18,44 @@ pub struct RequestSpec {
     pub cached_tokens: u32,
     /// Output tokens D decodes.
     pub output_tokens: u32,
+    /// The context this prompt extends: requests with the same value are turns of one
+    /// conversation, each prompt beginning with the previous turn's prompt and output, so D's
+    /// prefix cache (keyed by it) can hold their common prefix. `None`: nothing to reuse on D.
+    pub context: Option<u64>,
+    /// A local request of a kv_both D: it arrives on D alone and D computes its prompt (no P,
+    /// no transfer), next to the P/D requests.
+    pub local: bool,
+    /// The conversation the request is a turn of (requests of a session come in list order).
+    pub session: Option<u64>,
+    /// Closed loop: the request is sent this long after the previous request of its session
+    /// got its last token (the user's or tool's think time), not at `arrival` (which only
+    /// orders the list).
+    pub think: Option<Nanos>,
 }
 
 impl RequestSpec {
+    /// A P/D request with no context on D.
+    pub fn new(arrival: Nanos, prompt_tokens: u32, cached_tokens: u32, output_tokens: u32) -> Self {
+        RequestSpec {
+            arrival,
+            prompt_tokens,
+            cached_tokens,
+            output_tokens,
+            context: None,
+            local: false,
+            session: None,
+            think: None,
+        }
+    }
+
     /// Tokens P must prefill.
     pub fn uncached(&self) -> u32 {
         self.prompt_tokens.saturating_sub(self.cached_tokens)
     }
 }
+
+/// Context ids of local requests have this bit set (theirs and the P/D requests' never meet).
+pub const LOCAL_CONTEXT: u64 = 1 << 63;
 
 /// Parameters of the synthetic agentic mix: sessions whose context grows turn by turn, with
 /// a high probability that P still holds the previous turn (prefix reuse), Poisson arrivals.
@@ -60,17 +92,36 @@ impl AgenticMix {
         }
     }
 
-    /// Generates `n` requests from `seed` (deterministic).
+    /// Generates `n` requests from `seed` (deterministic). A turn's context id names its
+    /// session and how often the session started over; the new tokens of a turn stand for the
+    /// previous turn's output and the new input.
     pub fn generate(&self, n: usize, seed: u64) -> Vec<RequestSpec> {
+        self.generate_bounded(Some(n), None, seed, false)
+    }
+
+    /// Local requests of this mix (their own sessions; [`RequestSpec::local`]) arriving in
+    /// `[0, until]`.
+    pub fn generate_local(&self, until: Nanos, seed: u64) -> Vec<RequestSpec> {
+        self.generate_bounded(None, Some(until), seed, true)
+    }
+
+    fn generate_bounded(
+        &self,
+        n: Option<usize>,
+        until: Option<Nanos>,
+        seed: u64,
+        local: bool,
+    ) -> Vec<RequestSpec> {
         let mut rng = Rng::new(seed);
         let min = u64::from(self.min_tokens.max(1));
         let max = u64::from(self.max_tokens.max(self.min_tokens.max(1)));
         let mut ctx: Vec<u32> = (0..self.sessions.max(1))
             .map(|_| rng.range(min, (max / 4).max(min)) as u32)
             .collect();
+        let mut epoch = vec![0u64; ctx.len()];
         let mut t: Nanos = 0;
-        let mut out = Vec::with_capacity(n);
-        for _ in 0..n {
+        let mut out = Vec::new();
+        while n.is_none_or(|n| out.len() < n) && until.is_none_or(|u| t <= u) {
             let i = rng.range(0, ctx.len() as u64 - 1) as usize;
             let add = rng.range(
                 u64::from(self.turn_tokens.0),
@@ -81,18 +132,17 @@ impl AgenticMix {
             if u64::from(prompt) > max {
                 prompt = rng.range(min, (min * 8).min(max)) as u32;
                 cached = 0;
+                epoch[i] += 1;
             }
             ctx[i] = prompt;
             let output = rng.range(
                 u64::from(self.output_tokens.0.max(1)),
                 u64::from(self.output_tokens.1.max(self.output_tokens.0.max(1))),
             ) as u32;
-            out.push(RequestSpec {
-                arrival: t,
-                prompt_tokens: prompt,
-                cached_tokens: cached,
-                output_tokens: output,
-            });
+            let mut spec = RequestSpec::new(t, prompt, cached, output);
+            spec.context = Some(context_id(i, epoch[i], local));
+            spec.local = local;
+            out.push(spec);
             let gap = (rng.exp(1.0 / self.arrival_rate.max(1e-6)) * 1e9) as Nanos;
             t += gap.max(1);
         }
@@ -100,146 +150,144 @@ impl AgenticMix {
     }
 }
 
-/// A trace file that cannot be used.
-#[derive(Debug, thiserror::Error)]
-pub enum TraceError {
-    /// Reading the file failed.
-    #[error("reading trace {path}: {source}")]
-    Io {
-        /// The file.
-        path: String,
-        /// The error.
-        #[source]
-        source: std::io::Error,
-    },
-    /// A line is malformed.
-    #[error("trace line {line}: {what}")]
-    Line {
-        /// 1-based line number.
-        line: usize,
-        /// What is wrong.
-        what: String,
-    },
-    /// The trace holds no request.
-    #[error("trace has no requests")]
-    Empty,
+fn context_id(session: usize, epoch: u64, local: bool) -> u64 {
+    let id = ((session as u64) << 32) | (epoch & 0xffff_ffff);
+    if local {
+        id | LOCAL_CONTEXT
+    } else {
+        id
+    }
 }
 
-/// Most tokens a trace request may have (a larger value is a malformed line, not a request).
-pub const MAX_TRACE_TOKENS: u64 = 4_000_000;
+/// Sessions of turns, closed loop: each session starts at a uniform time in `[0, span]`, has
+/// a geometric number of turns, and a later turn is sent a think time (exponential, mean
+/// `gap_s`) after the previous one got its last token, as an agent sends its next call when
+/// the answer is back. The first turn's context is uniform in `first_tokens`; each later turn
+/// adds `growth` × the context (the previous output and the new input), so a later turn
+/// reuses `1 / (1 + growth)` of its prompt; a context past `max_tokens` starts the session
+/// over. The model of the seed study's agentic trace ([`SessionMix::study`]).
+#[derive(Clone, Debug)]
+pub struct SessionMix {
+    /// Sessions.
+    pub sessions: usize,
+    /// Mean turns per session (geometric, at least 1).
+    pub turns_mean: f64,
+    /// Context of a first turn, uniform in the range.
+    pub first_tokens: (u32, u32),
+    /// New tokens of a later turn, as a fraction of the previous context: exponential with
+    /// this mean (at most 1).
+    pub growth: f64,
+    /// Longest context; a session that would exceed it starts over.
+    pub max_tokens: u32,
+    /// Mean think time between a turn's last token and the session's next turn, seconds.
+    pub gap_s: f64,
+    /// Sessions start uniformly in `[0, span_s]`.
+    pub span_s: f64,
+    /// Probability that P has the previous turn's context cached.
+    pub p_reuse: f64,
+    /// Output tokens, uniform in the range.
+    pub output_tokens: (u32, u32),
+}
 
-/// Parses a trace: JSON lines or CSV, one request per line.
-///
-/// JSON lines: an object with `arrival_s` (seconds; also `arrival`, `timestamp`), `prompt_tokens`
-/// (also `input_tokens`, `input_length`), `cached_tokens` (optional, default 0; also
-/// `cached`) and `output_tokens` (also `output_length`). CSV: `arrival_s,prompt_tokens,
-/// cached_tokens,output_tokens`, an optional header line, `#` comments. Arrivals are sorted and
-/// shifted so the first is at 0. Blank lines are skipped; anything else malformed is an error
-/// with its line number.
-pub fn parse_trace(text: &str) -> Result<Vec<RequestSpec>, TraceError> {
-    let mut out = Vec::new();
-    for (i, raw) in text.lines().enumerate() {
-        let line = raw.trim();
-        let n = i + 1;
-        if line.is_empty() || line.starts_with('#') {
-            continue;
+impl SessionMix {
+    /// One engine's share of the seed study's w600 trace (see [`super::ClockConfig::study`] for
+    /// every number and where it comes from): 34 sessions (274 / 8) of 4.43 turns on average
+    /// (1214 / 274), first contexts 6k–58k tokens growing 7.5% a turn (93% reuse; mean context
+    /// about 44k tokens = 53.3M / 1214), sessions started over the first 600 s (the 600 s cut
+    /// holds every first turn), 5 s of think time between turns, P holding the previous turn
+    /// with the seeds' 93%, 32–350 output tokens (mean 191).
+    pub fn study() -> Self {
+        SessionMix {
+            sessions: 34,
+            turns_mean: 1214.0 / 274.0,
+            first_tokens: (6_000, 58_000),
+            growth: 0.075,
+            max_tokens: 120_000,
+            gap_s: 5.0,
+            span_s: 600.0,
+            p_reuse: 0.93,
+            output_tokens: (32, 350),
         }
-        let fields = if line.starts_with('{') {
-            json_fields(line, n)?
-        } else {
-            let cols: Vec<&str> = line.split(',').map(str::trim).collect();
-            if out.is_empty() && cols.first().is_some_and(|c| c.parse::<f64>().is_err()) {
-                // Header line.
-                continue;
-            }
-            if cols.len() != 4 {
-                return Err(TraceError::Line {
-                    line: n,
-                    what: format!("expected 4 comma-separated columns, got {}", cols.len()),
-                });
-            }
-            let num = |k: usize| {
-                cols[k].parse::<f64>().map_err(|_| TraceError::Line {
-                    line: n,
-                    what: format!("column {} is not a number: {:?}", k + 1, cols[k]),
-                })
-            };
-            [num(0)?, num(1)?, num(2)?, num(3)?]
-        };
-        out.push(spec_of(fields, n)?);
     }
-    if out.is_empty() {
-        return Err(TraceError::Empty);
-    }
-    out.sort_by_key(|r| r.arrival);
-    let t0 = out[0].arrival;
-    for r in &mut out {
-        r.arrival -= t0;
-    }
-    Ok(out)
-}
 
-/// Reads and parses a trace file (see [`parse_trace`]).
-pub fn read_trace(path: &Path) -> Result<Vec<RequestSpec>, TraceError> {
-    let text = std::fs::read_to_string(path).map_err(|source| TraceError::Io {
-        path: path.display().to_string(),
-        source,
-    })?;
-    parse_trace(&text)
-}
-
-fn json_fields(line: &str, n: usize) -> Result<[f64; 4], TraceError> {
-    let v: serde_json::Value = serde_json::from_str(line).map_err(|e| TraceError::Line {
-        line: n,
-        what: format!("not JSON: {e}"),
-    })?;
-    let get = |names: &[&str], default: Option<f64>| -> Result<f64, TraceError> {
-        for k in names {
-            if let Some(x) = v.get(*k) {
-                return x.as_f64().ok_or_else(|| TraceError::Line {
-                    line: n,
-                    what: format!("field {k} is not a number"),
-                });
+    /// The requests of every session, by arrival. `local`: they are D's own requests.
+    pub fn generate(&self, seed: u64, local: bool) -> Vec<RequestSpec> {
+        let mut rng = Rng::new(seed);
+        let q = 1.0 / self.turns_mean.max(1.0);
+        let mut out = Vec::new();
+        for s in 0..self.sessions {
+            let mut t = (rng.f64() * self.span_s * SEC as f64) as Nanos;
+            let mut epoch = 0u64;
+            let mut ctx = 0u32;
+            let mut prev_out = 0u32;
+            let mut turn = 0u32;
+            loop {
+                let first = rng.range(
+                    u64::from(self.first_tokens.0.max(1)),
+                    u64::from(self.first_tokens.1.max(self.first_tokens.0.max(1))),
+                ) as u32;
+                let g = rng.exp(self.growth).min(1.0);
+                let grown = f64::from(ctx) * (1.0 + g) + f64::from(prev_out);
+                let (prompt, cached) = if turn == 0 || grown > f64::from(self.max_tokens) {
+                    if turn > 0 {
+                        epoch += 1;
+                    }
+                    (first, 0)
+                } else {
+                    let p = (grown.ceil() as u32).max(ctx + 1);
+                    (p, if rng.chance(self.p_reuse) { ctx } else { 0 })
+                };
+                let output = rng.range(
+                    u64::from(self.output_tokens.0.max(1)),
+                    u64::from(self.output_tokens.1.max(self.output_tokens.0.max(1))),
+                ) as u32;
+                let think = ((rng.exp(self.gap_s) * SEC as f64) as Nanos).max(1);
+                let mut spec = RequestSpec::new(t, prompt, cached, output);
+                spec.context = Some(context_id(s, epoch, local));
+                spec.session = Some(context_id(s, 0, local));
+                spec.think = (turn > 0).then_some(think);
+                spec.local = local;
+                out.push(spec);
+                ctx = prompt;
+                prev_out = output;
+                turn += 1;
+                if rng.chance(q) {
+                    break;
+                }
+                // Orders the list only: a later turn is sent `think` after the previous one ends.
+                t += think;
             }
         }
-        default.ok_or_else(|| TraceError::Line {
-            line: n,
-            what: format!("missing field {}", names[0]),
+        out.sort_by_key(|r| r.arrival);
+        out
+    }
+}
+
+/// Fixed prompt lengths: request `k` has `prompts[k % len]` tokens, none cached on P, and
+/// arrives at `k / rate` seconds (evenly spaced, so that the figures of one length are not
+/// mixed with queueing behind another).
+pub fn fixed_prompts(prompts: &[u32], n: usize, rate: f64, output_tokens: u32) -> Vec<RequestSpec> {
+    if prompts.is_empty() {
+        return Vec::new();
+    }
+    let gap = (SEC as f64 / rate.max(1e-9)) as Nanos;
+    (0..n)
+        .map(|k| {
+            RequestSpec::new(
+                k as Nanos * gap,
+                prompts[k % prompts.len()].max(1),
+                0,
+                output_tokens.max(1),
+            )
         })
-    };
-    Ok([
-        get(&["arrival_s", "arrival", "timestamp"], None)?,
-        get(&["prompt_tokens", "input_tokens", "input_length"], None)?,
-        get(&["cached_tokens", "cached"], Some(0.0))?,
-        get(&["output_tokens", "output_length"], None)?,
-    ])
+        .collect()
 }
 
-fn spec_of(f: [f64; 4], n: usize) -> Result<RequestSpec, TraceError> {
-    let bad = |what: String| TraceError::Line { line: n, what };
-    if !f[0].is_finite() || f[0] < 0.0 || f[0] > 1e7 {
-        return Err(bad(format!("arrival {} out of range [0, 1e7] s", f[0])));
-    }
-    let tok = |x: f64, name: &str, min: f64| -> Result<u32, TraceError> {
-        if !x.is_finite() || x < min || x > MAX_TRACE_TOKENS as f64 || x.fract() != 0.0 {
-            return Err(bad(format!(
-                "{name} {x} is not a whole number in [{min}, {MAX_TRACE_TOKENS}]"
-            )));
-        }
-        Ok(x as u32)
-    };
-    let prompt = tok(f[1], "prompt_tokens", 1.0)?;
-    let cached = tok(f[2], "cached_tokens", 0.0)?;
-    let output = tok(f[3], "output_tokens", 1.0)?;
-    if cached > prompt {
-        return Err(bad(format!(
-            "cached_tokens {cached} exceeds prompt_tokens {prompt}"
-        )));
-    }
-    Ok(RequestSpec {
-        arrival: (f[0] * SEC as f64) as Nanos,
-        prompt_tokens: prompt,
-        cached_tokens: cached,
-        output_tokens: output,
-    })
+/// The P/D requests and the local ones in one list, by arrival (P/D first at a tie, each list
+/// keeping its own order).
+pub fn merge(pd: Vec<RequestSpec>, local: Vec<RequestSpec>) -> Vec<RequestSpec> {
+    let mut v = pd;
+    v.extend(local);
+    v.sort_by_key(|r| (r.arrival, r.local));
+    v
 }

@@ -7,7 +7,9 @@ use std::path::PathBuf;
 use std::sync::OnceLock;
 use std::time::Duration;
 
-use kvwire_bench::clock::cli::{ClockLinkSpeed, ClockScenario, ClockTransport, ClockWorkload};
+use kvwire_bench::clock::cli::{
+    ClockLinkSpeed, ClockPreset, ClockScenario, ClockTransport, ClockWorkload,
+};
 use kvwire_bench::clock::datapath::DataPath;
 use kvwire_bench::clock::report::parse_timeline_line;
 use kvwire_bench::clock::report::PoolSide;
@@ -17,6 +19,8 @@ use kvwire_bench::clock::{
     run_matrix, ClockArgs, ClockConfig, ClockReport, HeldBlocks, LinkSpeed, RequestSpec, Scenario,
 };
 use kvwire_connector::{Policy, SendMode};
+
+mod engine;
 
 fn tmp(name: &str) -> PathBuf {
     // Cargo's scratch directory for integration tests (inside the target directory).
@@ -41,6 +45,18 @@ fn args() -> ClockArgs {
         d_pool_blocks: None,
         link_speed: ClockLinkSpeed::Window,
         quick: true,
+        preset: ClockPreset::Quick,
+        chunk_tokens: None,
+        land_pool_blocks: None,
+        d_prefix_cache: None,
+        local_rate: None,
+        prompt_tokens: Vec::new(),
+        output_tokens: 32,
+        link_gbps: None,
+        policies: Vec::new(),
+        send_modes: Vec::new(),
+        land_copy_gbps: None,
+        turn_gap_s: None,
     }
 }
 
@@ -125,10 +141,10 @@ fn quick_plan() -> (ClockConfig, Vec<RequestSpec>) {
 #[test]
 fn decomposition_sums_to_the_clock_of_every_request() {
     let q = quick();
-    assert_eq!(q.report.cells.len(), 6);
+    assert_eq!(q.report.cells.len(), 8);
     for c in &q.report.cells {
         assert_eq!(c.records.len(), q.report.requests);
-        for r in &c.records {
+        for (r, h) in c.records.iter().zip(&c.host) {
             let d = r.decompose().expect("finished record decomposes");
             let clock = r.first_token.unwrap() - r.decode_sent.unwrap();
             assert_eq!(d.segments().iter().sum::<u64>(), clock, "{r:?}");
@@ -137,7 +153,15 @@ fn decomposition_sums_to_the_clock_of_every_request() {
             // The milestones are in order (no clamping was needed).
             let p_done = r.p_last_layer_ready.unwrap();
             let last = r.last_byte.unwrap();
-            assert!(r.d_reserved.unwrap() <= last && p_done <= last, "{r:?}");
+            assert!(p_done <= last, "{r:?}");
+            if h.landed {
+                // land: the KV lands in the landing pool first, KV blocks are reserved after.
+                assert!(last <= r.d_reserved.unwrap(), "{r:?}");
+                assert!(r.d_reserved.unwrap() <= r.d_reported_finished.unwrap());
+                assert!(h.kv_ready.unwrap() <= r.d_reported_finished.unwrap());
+            } else {
+                assert!(r.d_reserved.unwrap() <= last, "{r:?}");
+            }
             assert!(last <= r.d_reported_finished.unwrap());
             assert!(r.d_reported_finished.unwrap() <= r.d_promoted.unwrap());
         }
@@ -223,13 +247,13 @@ fn json_has_every_cell() {
         }
     }
     let mut want = BTreeSet::new();
-    for p in ["eager", "lazy", "jit"] {
+    for p in ["eager", "lazy", "jit", "land"] {
         for m in ["whole", "layerwise"] {
             want.insert((p.to_string(), m.to_string()));
         }
     }
     assert_eq!(seen, want);
-    assert_eq!(cells.len(), 6);
+    assert_eq!(cells.len(), 8);
 }
 
 #[test]
@@ -240,7 +264,7 @@ fn png_is_a_real_png() {
     assert_eq!(&b[12..16], b"IHDR");
     let w = u32::from_be_bytes(b[16..20].try_into().unwrap());
     let h = u32::from_be_bytes(b[20..24].try_into().unwrap());
-    assert_eq!((w, h), (1600, 800));
+    assert_eq!((w, h), kvwire_bench::clock::plot::SIZE);
     assert!(b.len() > 20_000, "PNG of {} bytes", b.len());
     assert_eq!(&b[b.len() - 8..b.len() - 4], b"IEND");
 }
@@ -250,7 +274,7 @@ fn timeline_lines_parse_and_carry_the_load() {
     let q = quick();
     let text = std::fs::read_to_string(&q.timeline).unwrap();
     let lines: Vec<&str> = text.lines().collect();
-    assert_eq!(lines.len(), 6 * q.report.requests);
+    assert_eq!(lines.len(), 8 * q.report.requests);
     for l in lines {
         let r = parse_timeline_line(l).unwrap();
         assert!(r.decompose().is_some());
@@ -355,8 +379,11 @@ fn migration_sends_decode_after_prefill() {
             assert_eq!(rec.decompose().unwrap().wait_for_p, 0);
         }
     }
-    // With the KV ready before decode_sent and one frozen link speed, no policy or send mode
-    // can change anything: every cell has the same clock for every request.
+    // With the KV ready before decode_sent and one frozen link speed, no policy that
+    // reserves KV blocks before the KV lands, nor the send mode, can change anything: those
+    // cells have the same clock for every request. `land` reserves its KV blocks only after
+    // the KV landed (at the next D step), so it is the same in both send modes and slower on
+    // the whole (one request can gain a little: the batch it decodes in changes).
     let clocks = |i: usize| -> Vec<u64> {
         r.cells[i]
             .records
@@ -364,8 +391,19 @@ fn migration_sends_decode_after_prefill() {
             .map(|x| x.decompose().unwrap().total())
             .collect()
     };
-    for i in 1..r.cells.len() {
-        assert_eq!(clocks(i), clocks(0), "cell {i}");
+    let is_land = |i: usize| r.cells[i].policy == Policy::Land;
+    let (first, first_land) = (
+        (0..r.cells.len()).find(|&i| !is_land(i)).unwrap(),
+        (0..r.cells.len()).find(|&i| is_land(i)).unwrap(),
+    );
+    for i in 0..r.cells.len() {
+        if is_land(i) {
+            assert_eq!(clocks(i), clocks(first_land), "cell {i}");
+            let (l, o): (u64, u64) = (clocks(i).iter().sum(), clocks(first).iter().sum());
+            assert!(l > o, "cell {i}: land {l} <= {o}");
+        } else {
+            assert_eq!(clocks(i), clocks(first), "cell {i}");
+        }
     }
 }
 
@@ -474,12 +512,7 @@ fn pool_figures_of_one_request_match_its_milestones() {
         // one control-message latency: a 5 ms latency keeps that above 1% of the run on any
         // host, so the 99th percentile below is the whole request by construction.
         cfg.msg_latency = 5 * kvwire_connector::MS;
-        let specs = vec![RequestSpec {
-            arrival: 0,
-            prompt_tokens: 3_000,
-            cached_tokens: 1_000,
-            output_tokens: 2,
-        }];
+        let specs = vec![RequestSpec::new(0, 3_000, 1_000, 2)];
         let r = run_matrix(&cfg, &specs).unwrap();
         assert!(r.all_verified());
         let c = &r.cells[0];
