@@ -14,8 +14,8 @@ import torch  # noqa: E402
 import kvwire  # noqa: E402
 from kvwire.vllm import KvwireConnector, KvwireConnectorMetadata  # noqa: E402
 from vllm_harness import (  # noqa: E402
-    LAYERS, MAX_STEPS, PEER_TIMEOUT, RequestStatus, Side, assert_no_leak, d_request, free_port, kv_pattern,
-    make_request, model_dir, p_fill, p_request, run_until)
+    LAYERS, PEER_TIMEOUT, RequestStatus, Side, assert_no_leak, d_delayed, d_request, free_port, kv_pattern,
+    introduce, make_request, model_dir, p_delayed, p_fill, p_request, run_until, timeline, wait_for)
 
 
 
@@ -38,6 +38,7 @@ def pair(mdir):
         d = Side("kv_consumer", {**base, "data_listen": f"127.0.0.1:{free_port()}", **(d_extra or {})}, mdir, **kw)
         p = Side("kv_producer", {**base, "data_listen": f"127.0.0.1:{free_port()}", **(p_extra or {})}, mdir)
         sides.extend([d, p])
+        introduce(d, p)
         return d, p
 
     yield make
@@ -48,20 +49,18 @@ def pair(mdir):
 def d_maps_empty(side):
     """No request left in D's scheduler-side connector maps, nothing queued for its workers."""
     s = side.conn._sched
-    maps = dict(d_key=s.d_key, d_req=s.d_req, d_failed_early=s.d_failed_early, d_delayed=s.d_delayed,
-                d_reported=s.d_reported, d_promoted=s.d_promoted, d_first_pending=s.d_first_pending,
-                d_recv_sent=s.d_recv_sent, out_recv=s.out_recv, out_failed=s.out_failed,
-                out_sending=s.out_sending)
+    maps = dict(d_reqs=s.d_reqs, d_by_key=s.d_by_key, out_recv=s.out_recv, out_failed=s.out_failed,
+                out_sending=s.out_sending, out_land=s.out_land)
     assert not {k: v for k, v in maps.items() if v}, "requests left in D's connector"
-    assert s.d.live_requests == 0
+    assert all(c.live_requests == 0 for c in s.d_cores.values())
 
 
 def p_maps_empty(side):
     s = side.conn._sched
-    maps = dict(p_key=s.p_key, p_req=s.p_req, p_info=s.p_info, p_scheduled=s.p_scheduled, p_done=s.p_done,
-                p_delayed=s.p_delayed, p_xfer=s.p_xfer, out_sending=s.out_sending, out_transfers=s.out_transfers)
+    maps = dict(p_reqs=s.p_reqs, p_by_key=s.p_by_key, p_reports=s.p_reports, out_sending=s.out_sending)
     assert not {k: v for k, v in maps.items() if v}, "requests left in P's connector"
-    assert s.p.live_requests == 0 and s.p_transfers_pending == 0
+    assert all(c.live_requests == 0 for c in s.p_cores.values())
+    assert wait_for(lambda: not side.worker._worker.sends), "sends left in P's worker"
 
 
 def count_frees(side):
@@ -120,7 +119,7 @@ def test_lazy_end_to_end(pair, policy, send_mode):
         if preq.is_finished() and not p_held:
             # P's prefill is done and the request finished, but its blocks stay until sent.
             p_held.append(p.free_blocks())
-            assert "p/r1" in p.conn._sched.p_delayed
+            assert "p/r1" in p_delayed(p)
 
     assert run_until(lambda: dreq.status == RequestStatus.RUNNING, p_step, d_step)
     assert p_held == [full - 3]
@@ -130,7 +129,7 @@ def test_lazy_end_to_end(pair, policy, send_mode):
                      lambda: p.step(p_fill), d.step)
     assert_no_leak(d)
     assert_no_leak(p)
-    rec = d.conn._sched.timeline[-1]
+    rec = timeline(d)[-1]
     assert '"outcome":"finished"' in rec and f'"policy":"{policy}"' in rec
 
 
@@ -144,17 +143,29 @@ def test_eager_layerwise_sends_during_the_forward(pair):
     assert d.free_blocks() == full - 4
     reserved = list(d.sched.kv_cache_manager.get_block_ids("d/r2")[0])
     d.step()
+    from kvwire.vllm.scheduler import request_key
+
     preq = p_request("r2", d, tokens=50)
     p.sched.add_request(preq)
-    phases = []
+    key = request_key("r2")
+    posted = []
 
-    def p_step():
-        so = p.step(p_fill)
-        phases.extend(t[5] for t in so.kv_connector_metadata.transfers)
+    def fill(side, so, li, name):
+        s = side.worker._worker.sends.get(key)
+        if li == 0 and so.scheduled_new_reqs:
+            # D's block ids (eager: sent at arrival) reach P's worker straight from P's driver
+            # thread once P's scheduler has the request: the forward waits for them here, so
+            # that what follows does not depend on which came first.
+            assert wait_for(lambda: side.worker._worker.sends.get(key) is not None
+                            and side.worker._worker.sends[key].dst is not None)
+        p_fill(side, so, li, name)
+        if li > 0 and so.scheduled_new_reqs:
+            s = side.worker._worker.sends[key]
+            posted.append(s.sent[li - 1] == 4)  # layer li-1 went out before layer li ran
 
+    p_step = lambda: p.step(fill)  # noqa: E731
     assert run_until(lambda: dreq.status == RequestStatus.RUNNING, p_step, d.step)
-    # D's block ids reached P before its forward: each layer went right after its attention.
-    assert phases == ["layer"] * len(LAYERS)
+    assert posted == [True] * (len(LAYERS) - 1)
     check_kv(d, "r2", reserved)
     assert run_until(lambda: dreq.is_finished() and p.free_blocks() == full, p_step, d.step)
     assert_no_leak(d)
@@ -187,7 +198,7 @@ def test_abort_after_reservation_waits_for_p(pair):
     assert d.free_blocks() == full - 3
     d.sched.finish_requests("d/r4", RequestStatus.FINISHED_ABORTED)
     assert d.free_blocks() == full - 3  # held: P has the block ids
-    assert "d/r4" in d.conn._sched.d_delayed
+    assert "d/r4" in d_delayed(d)
     assert run_until(lambda: not d.sched.requests, d.step, p.step)
     assert_no_leak(d)
     d_maps_empty(d)
@@ -221,8 +232,8 @@ def test_failed_transfer_takes_the_load_error_path(pair, policy):
     assert run_until(lambda: not p.sched.requests, lambda: p.step(p_fill), d.step)
     assert_no_leak(d)
     assert_no_leak(p)
-    assert any('"outcome":"failed"' in r for r in p.conn._sched.timeline)
-    assert any('"outcome":"failed"' in r for r in d.conn._sched.timeline)
+    assert any('"outcome":"failed"' in r for r in timeline(p))
+    assert any('"outcome":"failed"' in r for r in timeline(d))
 
 
 def test_p_unreachable_fails_the_request(pair):
@@ -240,14 +251,52 @@ def test_p_unreachable_fails_the_request(pair):
 
 
 def test_envelope_rejects_garbage():
-    from kvwire.vllm.connector import decode_envelope, encode_envelope
+    from kvwire.vllm import envelope as env
 
-    tag = encode_envelope(1, "127.0.0.1:1", "127.0.0.1:2", b"xyz")
-    assert decode_envelope(tag) == (1, "127.0.0.1:1", "127.0.0.1:2", b"xyz")
-    for bad in [b"", b"KVW1", b"XXXX\x01\x00\x00", tag[:9], b"KVW1\x01\xff\xff"]:
+    tag = env.encode(env.TO_P, "engine-1", 7, "127.0.0.1:2", b"xyz")
+    e = env.decode(tag)
+    assert (e.kind, e.engine_id, e.incarnation, e.control, e.payload) == (env.TO_P, "engine-1", 7, "127.0.0.1:2", b"xyz")
+    for bad in [b"", b"KVW2", b"XXXX\x01\x00\x00", tag[:9], b"KVW2\x01\xff\xff", b"KVW2\x63\x00\x00" + bytes(10)]:
         with pytest.raises(ValueError):
-            decode_envelope(bad)
+            env.decode(bad)
+    with pytest.raises(ValueError):
+        env.parse_report(b"\x09" + bytes(31))
     assert issubclass(kvwire.ConnectorError, kvwire.KvwireError)
+
+
+def test_bundles_split_in_order_and_reject_garbage():
+    from kvwire.vllm import envelope as env
+
+    tags = [env.encode(env.REPORT, "e", 1, "a:1", bytes([i]) * i) for i in range(1, 6)]
+    assert env.unbundle(env.bundle(tags)) == tags
+    assert env.unbundle(tags[0]) == [tags[0]]  # a lone envelope is not a bundle
+    whole = env.bundle(tags)
+    for bad in [b"KVWB", whole[:-1], b"KVWB" + bytes(4), b"KVWB\xff\xff\xff\x7f" + tags[0], whole + b"\x01"]:
+        with pytest.raises(ValueError):
+            env.unbundle(bad)
+
+
+def test_control_plane_delivers_in_send_order():
+    """Messages to one destination arrive in the order they were sent, however many are queued
+    at once (the engine orders only notifications of batches that did not overlap)."""
+    from kvwire.vllm import envelope as env
+    from kvwire.vllm.control import ControlPlane
+
+    a = ControlPlane(engine_id="a", incarnation=1, transport="tcp")
+    b = ControlPlane(engine_id="b", incarnation=2, transport="tcp")
+    try:
+        n = 3000
+        for i in range(n):
+            a.send(b.addr, env.REPORT, i.to_bytes(4, "little") + bytes(i % 300))
+        got = []
+        assert wait_for(lambda: got.extend(b.recv(0.05)[0]) or len(got) >= n)
+        seq = [int.from_bytes(e.payload[:4], "little") for e in got]
+        assert seq == list(range(n))
+        assert all(len(e.payload) == 4 + i % 300 for i, e in enumerate(got))
+        assert b.bad_messages == 0
+    finally:
+        a.close()
+        b.close()
 
 
 def test_p_dies_while_d_waits(pair):
@@ -317,8 +366,8 @@ def test_long_forward_does_not_declare_a_heard_peer_down(pair):
 
     p.step(long_forward)
     assert stalled and preq.is_finished()
-    assert "p/r8" in p.conn._sched.p_delayed, "D was declared down although its messages were queued"
-    assert not any('"outcome":"failed"' in r for r in p.conn._sched.timeline)
+    assert "p/r8" in p_delayed(p), "D was declared down although its messages were queued"
+    assert not any('"outcome":"failed"' in r for r in timeline(p, n=0))
     # Cleanup only (P's short timeout makes outcomes past this point depend on step times).
     d.sched.finish_requests("d/r8", RequestStatus.FINISHED_ABORTED)
     assert run_until(lambda: not d.sched.requests and not p.sched.requests, d.step, p.step)
@@ -368,15 +417,8 @@ def test_abort_after_the_kv_landed_frees_once(pair, when):
         # scheduler takes in P's messages without stepping, so the finished report stays queued.
         assert run_until(lambda: dreq.status == RequestStatus.WAITING_FOR_REMOTE_KVS, p_step, d.step)
 
-        def p_step_then_drain():
-            p_step()
-            for _ in range(200):  # bounded; ends as soon as P's messages are in
-                ds._poll()
-                if dreq.request_id in ds.out_recv:
-                    return
-                time.sleep(0.005)
-
-        assert run_until(lambda: dreq.request_id in ds.out_recv, p_step_then_drain)
+        # the connector's driver thread takes P's messages in without D stepping
+        assert run_until(lambda: dreq.request_id in ds.out_recv, p_step)
         abort()
     elif when == "recv_emitted":
         emitted = []
@@ -413,7 +455,7 @@ def test_abort_after_the_kv_landed_frees_once(pair, when):
     d_maps_empty(d)
     p_maps_empty(p)
     assert preq.status == RequestStatus.FINISHED_LENGTH_CAPPED
-    assert not any('"outcome":"failed"' in r for r in p.conn._sched.timeline)  # P's side ended normally
+    assert not any('"outcome":"failed"' in r for r in timeline(p))  # P's side ended normally
     if when == "landing":
         st = d.worker._worker.stager
         assert st.idle and not st.landing and not st.held

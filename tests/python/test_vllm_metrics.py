@@ -24,7 +24,7 @@ from kvwire.vllm.stats import (  # noqa: E402
     SERIES, DeltaTracker, KvwireConnectorStats, KvwirePromMetrics, flatten_engine, replay_values,
 )
 from test_vllm_connector import d_request, mdir, p_request, pair, run_until  # noqa: E402,F401
-from vllm_harness import RequestStatus, p_fill  # noqa: E402
+from vllm_harness import RequestStatus, d_core, p_core, p_fill, timeline  # noqa: E402
 
 CONNECTOR_HOOKS = ("get_kv_connector_stats", "build_kv_connector_stats", "build_prom_metrics")
 
@@ -189,7 +189,7 @@ def test_known_sequence_exact_stats(pair, prom_clean):
 
     dstats, dlines = logs["d"]
     now = kvwire_now()
-    dm = d.conn._sched.d.metrics(now)
+    dm = d_core(d).metrics(now)
     # D: exact counts.
     assert total(dstats, "d_arrived") == 3
     assert total(dstats, "d_reservations") == 2
@@ -207,7 +207,7 @@ def test_known_sequence_exact_stats(pair, prom_clean):
     # D timeline records say (blocks × (promoted or released − reserved)).
     bs = dstats.data["counters"]["d_block_seconds_waiting|lazy"]
     assert bs == pytest.approx(dm["block_seconds_waiting"], rel=1e-9)
-    recs = [json.loads(r) for r in d.conn._sched.timeline]
+    recs = [json.loads(r) for r in timeline(d)]
     expect_bs = sum(r["blocks"] * ((r["d_promoted"] or r["d_released"]) - r["d_reserved"])
                     for r in recs if r["d_reserved"] is not None) / 1e9
     assert bs == pytest.approx(expect_bs, rel=1e-9) and bs > 0
@@ -225,7 +225,7 @@ def test_known_sequence_exact_stats(pair, prom_clean):
     assert g["d_held_blocks"] == 0
 
     pstats, plines = logs["p"]
-    pm = p.conn._sched.p.metrics()
+    pm = p_core(p).metrics()
     assert total(pstats, "p_scheduled") == 2
     assert total(pstats, "p_transfers") == 4  # whole mode: one per layer and request
     assert total(pstats, "p_transfers_done") == 2

@@ -403,8 +403,8 @@ def test_cuda_branch_orders_copies_after_the_compute_stream(engines, monkeypatch
 vllm = pytest.importorskip("vllm", reason="vLLM not installed in this venv (run tests/python/setup.sh)")
 
 from vllm_harness import (  # noqa: E402
-    LAYERS, MAX_STEPS, PEER_TIMEOUT, RequestStatus, Side, assert_no_leak, d_request, free_port, kv_pattern,
-    make_request, model_dir, p_fill, p_request, run_until)
+    LAYERS, MAX_STEPS, PEER_TIMEOUT, RequestStatus, Side, assert_no_leak, d_request, free_port, introduce,
+    kv_pattern, make_request, model_dir, p_fill, p_request, run_until, timeline, wait_for)
 
 
 @pytest.fixture(scope="module")
@@ -421,6 +421,7 @@ def pair(mdir):
         d = Side(roles[0], {**base, "data_listen": f"127.0.0.1:{free_port()}", **(d_extra or {})}, mdir, **kw)
         p = Side(roles[1], {**base, "data_listen": f"127.0.0.1:{free_port()}", **(p_extra or {})}, mdir)
         sides.extend([d, p])
+        introduce(d, p)
         return d, p
 
     yield make
@@ -683,8 +684,8 @@ def test_failed_staged_write_takes_the_load_error_path(pair, at):
     assert run_until(lambda: not p.sched.requests, lambda: p.step(p_fill), d.step)
     assert_no_leak(d)
     assert_no_leak(p)
-    assert st.idle and st.pool.used == 0
-    assert any('"outcome":"failed"' in r for r in d.conn._sched.timeline)
+    assert wait_for(lambda: st.idle and st.pool.used == 0)  # the worker's thread reaps the failed write
+    assert any('"outcome":"failed"' in r for r in timeline(d))
 
 
 def test_device_cache_without_staging_is_refused(mdir):

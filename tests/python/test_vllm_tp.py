@@ -17,10 +17,11 @@ vllm = pytest.importorskip("vllm", reason="vLLM not installed in this venv (run 
 import torch  # noqa: E402
 
 import kvwire  # noqa: E402
-from kvwire.vllm.connector import KvwireHandshake, rank_address, rank_listen, request_key  # noqa: E402
+from kvwire.vllm import envelope as env  # noqa: E402
+from kvwire.vllm.connector import KvwireHandshake, rank_listen, request_key  # noqa: E402
 from vllm_harness import (  # noqa: E402
-    LAYERS, MAX_STEPS, PEER_TIMEOUT, RequestStatus, Side, assert_no_leak, d_request, free_port, kv_pattern,
-    make_request, model_dir, p_fill, p_request, run_until)
+    LAYERS, PEER_TIMEOUT, RequestStatus, Side, assert_no_leak, d_request, free_port, introduce, kv_pattern,
+    model_dir, p_core, p_fill, p_request, run_until, timeline)
 
 TP = 2
 
@@ -63,6 +64,7 @@ def pair(mdir):
         sides.append(d)
         p = Side("kv_producer", {**base, "data_listen": "127.0.0.1:0", **(p_extra or {})}, mdir, tp=p_tp)
         sides.append(p)
+        introduce(d, p)
         return d, p
 
     yield make
@@ -95,12 +97,6 @@ def test_rank_addressing():
             rank_listen(bad, 1)
     with pytest.raises(kvwire.InvalidArgumentError):
         rank_listen("127.0.0.1:65535", 1)
-    assert rank_address("a:1,b:2", 1, 2) == "b:2"
-    assert rank_address("a:1", 0, 1) == "a:1"
-    assert rank_address("", 0, 1) == ""  # TP 1 with nothing announced: as before (connect fails)
-    for announced, tp in [("a:1", 2), ("a:1,b:2", 1), ("", 2)]:
-        with pytest.raises(kvwire.InvalidArgumentError, match="tensor parallel size"):
-            rank_address(announced, 0, tp)
 
 
 def test_ranks_announce_their_own_addresses(pair):
@@ -110,7 +106,9 @@ def test_ranks_announce_their_own_addresses(pair):
     assert [m.data_addr for m in metas] == [w.data_addr for w in d.workers]
     assert [pickle.loads(pickle.dumps(m)) for m in metas] == metas  # it crosses processes in vLLM
     assert metas[0].data_addr != metas[1].data_addr
-    assert d.conn._sched.control.data_addr == ",".join(m.data_addr for m in metas)
+    assert d.conn._sched.rank_addrs == [m.data_addr for m in metas]
+    # ... and they are what D's hello tells P, in rank order
+    assert p.conn._sched.control.peer_hello[d.conn.engine_id]["data"] == [m.data_addr for m in metas]
     # A fixed data_listen: rank r listens on its port + r.
     d2, _ = pair()
     host, port = d2.workers[0].data_addr.rsplit(":", 1)
@@ -147,9 +145,9 @@ def test_tp2_end_to_end(pair, policy, send_mode, d_listen):
     assert_no_leak(d)
     assert_no_leak(p)
     ps = p.conn._sched
-    assert not ps.p_xfer and ps.p_transfers_pending == 0
-    assert '"outcome":"finished"' in d.conn._sched.timeline[-1]
-    assert p.conn._sched.p.metrics()["transfers_done"] == len(LAYERS)  # one per layer, not per rank
+    assert not ps.p_reports
+    assert '"outcome":"finished"' in timeline(d)[-1]
+    assert p_core(p).metrics()["transfers_done"] == len(LAYERS)  # one per layer, not per rank
 
 
 def test_layer_counts_only_when_every_rank_reported(pair):
@@ -162,28 +160,35 @@ def test_layer_counts_only_when_every_rank_reported(pair):
     held = []
     w1 = p.workers[1]._worker
     real_report = w1._report
-    w1._report = lambda *a: held.append(a)
+
+    def hold_sent(s, what, layer, ok, nbytes, t):  # rank 1 keeps its LAYER_SENT reports back
+        if what == env.LAYER_SENT:
+            held.append((s, what, layer, ok, nbytes, t))
+        else:
+            real_report(s, what, layer, ok, nbytes, t)
+
+    w1._report = hold_sent
     preq = p_request("t2", d)
     p.sched.add_request(preq)
     ps = p.conn._sched
     key = request_key("t2")
 
-    def rank0_taken_in():  # both layers' transfers reported by rank 0 and taken in by P
-        xf = ps.p_xfer.get(key, {})
-        return len(held) == len(LAYERS) and len(xf) == len(LAYERS) and all(st[0] == {0} for st in xf.values())
+    def rank0_taken_in():  # every layer's LAYER_SENT reported by rank 0 and taken in by P
+        got = [ps.p_reports.get((key, env.LAYER_SENT, layer), {}) for layer in range(len(LAYERS))]
+        return len(held) == len(LAYERS) and all(set(g) == {0} for g in got)
 
     assert run_until(rank0_taken_in, lambda: p.step(p_fill), d.step)
     for _ in range(5):  # rank 0 alone: nothing is sent as far as the core knows
         p.step(p_fill)
         d.step()
     assert dreq.status == RequestStatus.WAITING_FOR_REMOTE_KVS
-    assert p.conn._sched.p.metrics()["transfers_done"] == 0
+    assert p_core(p).metrics()["transfers_done"] == 0
     assert all(a[3] for a in held)  # rank 1's transfers themselves succeeded
     w1._report = real_report
     for a in held:
         real_report(*a)
     assert run_until(lambda: dreq.status == RequestStatus.RUNNING, lambda: p.step(p_fill), d.step)
-    assert p.conn._sched.p.metrics()["transfers_done"] == len(LAYERS)
+    assert p_core(p).metrics()["transfers_done"] == len(LAYERS)
     check_shards(d, "t2", reserved)
     assert run_until(lambda: dreq.is_finished() and not p.sched.requests, lambda: p.step(p_fill), d.step)
     assert_no_leak(d)
@@ -210,10 +215,10 @@ def test_one_rank_unreachable_fails_the_request(pair, send_mode):
     assert_no_leak(d)
     assert_no_leak(p)
     ps = p.conn._sched
-    assert not ps.p_xfer and ps.p_transfers_pending == 0
-    assert ps.p.metrics()["transfers_failed"] >= 1
-    assert any('"outcome":"failed"' in r for r in ps.timeline)
-    assert any('"outcome":"failed"' in r for r in d.conn._sched.timeline)
+    assert not ps.p_reports
+    assert p_core(p).metrics()["transfers_failed"] >= 1
+    assert any('"outcome":"failed"' in r for r in timeline(p))
+    assert any('"outcome":"failed"' in r for r in timeline(d))
 
 
 @pytest.mark.parametrize("p_tp,d_tp", [(2, 1), (1, 2)])
@@ -223,23 +228,23 @@ def test_tp_mismatch_fails_cleanly(pair, p_tp, d_tp):
     d, p = pair({"policy": "eager"}, {"send_mode": "whole"}, d_tp=d_tp, p_tp=p_tp)
     dreq = d_request("t4", p)
     d.sched.add_request(dreq)
-    reserved = admit(d, dreq)
-    assert len(reserved) == 3
     preq = p_request("t4", d)
     p.sched.add_request(preq)
+    # The hellos carry each side's descriptor (TP size, heads per rank, layout): D refuses the
+    # request before reserving anything, through the load-error path; P never gets block ids.
     assert run_until(lambda: dreq.is_finished() and not p.sched.requests, lambda: p.step(p_fill), d.step)
     assert dreq.status != RequestStatus.FINISHED_LENGTH_CAPPED  # it never ran
-    assert set(reserved) <= d.invalid
+    assert d.invalid  # the load-error path named its blocks
     assert_no_leak(d)
     assert_no_leak(p)
     ps = p.conn._sched
-    assert ps.tp_refused and not ps.p_xfer and ps.p_transfers_pending == 0
-    for w in p.workers:
-        assert w._worker.engine.metrics()["connections_outbound"] == 0  # no worker was asked to write
+    assert not ps.p_reports
+    for w in d.workers:
+        assert w._worker.engine.metrics()["connections_inbound"] == 0  # no P worker connected to write
     for r in range(d.tp):
         for name in LAYERS:
             assert not d.kvs[r][name].any()
-    assert any('"outcome":"failed"' in r for r in d.conn._sched.timeline)
+    assert any('"outcome":"failed"' in r for r in timeline(d))
 
 
 def test_incomplete_handshake_announces_nothing(mdir):
@@ -250,15 +255,16 @@ def test_incomplete_handshake_announces_nothing(mdir):
                 mdir, tp=TP)
     try:
         sched = side.conn._sched
-        full = sched.control.data_addr
-        assert full.count(",") == TP - 1  # the harness handed both ranks' handshakes over
+        full = list(sched.rank_addrs)
+        assert len(full) == TP  # the harness handed both ranks' handshakes over
         m0, m1 = (w.get_handshake_metadata() for w in side.workers)
-        sched.control.data_addr = ""  # as before any handshake at TP > 1
+        sched.rank_addrs = []  # as before any handshake at TP > 1
         for bad in [{0: m0}, {0: m0, 1: m0}, {0: m0, 1: KvwireHandshake(1, 4, m1.data_addr)}, {}]:
             side.conn.set_xfer_handshake_metadata(bad)
-            assert sched.control.data_addr == "", bad
+            assert sched.rank_addrs == [], bad
+            assert sched._hello()["data"] == []
         side.conn.set_xfer_handshake_metadata({0: m0, 1: m1})
-        assert sched.control.data_addr == full
+        assert sched.rank_addrs == full
     finally:
         side.close()
 
@@ -266,16 +272,16 @@ def test_incomplete_handshake_announces_nothing(mdir):
 def test_malformed_rank_reports_are_dropped(pair):
     """A transfer report naming a rank P does not have, or in the TP-less format, counts as a bad
     message and changes nothing."""
-    from kvwire.vllm.connector import _XFER, KIND_XFER, _Control
+    from kvwire.vllm.control import ControlPlane
 
     d, p = pair()
     ps = p.conn._sched
-    ctl = _Control("127.0.0.1:0", None, os.environ.get("KVWIRE_TEST_TRANSPORT", "auto"))
+    ctl = ControlPlane(engine_id="stranger", incarnation=1, transport=os.environ.get("KVWIRE_TEST_TRANSPORT", "auto"))
     try:
-        ps.p_xfer[request_key("t5")] = {0: [set(), True, 0]}  # as if a transfer were in flight
-        ctl.send(p.conn.control_addr, KIND_XFER, _XFER.pack(request_key("t5"), 0, 1, 10, TP))  # rank 2 of 2
-        ctl.send(p.conn.control_addr, KIND_XFER, _XFER.pack(request_key("t5"), 0, 1, 10, 0)[:-2])  # no rank
+        key = request_key("t5")
+        ctl.send(p.conn.control_addr, env.REPORT, env.report(env.LAYER_SENT, key, 0, True, 10, TP, 1))  # rank 2 of 2
+        ctl.send(p.conn.control_addr, env.REPORT, env.report(env.LAYER_SENT, key, 0, True, 10, 0, 1)[:-2])  # short
         assert run_until(lambda: ps.control.bad_messages == 2, p.step)
-        assert ps.p_xfer[request_key("t5")] == {0: [set(), True, 0]}
+        assert not ps.p_reports
     finally:
         ctl.close()

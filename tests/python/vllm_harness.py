@@ -11,6 +11,7 @@ import json
 import os
 import socket
 import tempfile
+import time
 from unittest import mock
 
 import torch
@@ -112,6 +113,9 @@ class Side:
         self.num_blocks = num_blocks
         self.tp = tp
         self.heads = HEADS // tp
+        # Every side writes its timeline (read back by ``timeline``); no Mooncake bootstrap port.
+        self.timeline_dir = tempfile.mkdtemp(prefix="kvwire-timeline-")
+        extra = {"timeline_path": self.timeline_dir, "bootstrap_port": 0, **extra}
         self.vc = vllm_config(kv_role, extra, mdir, tp=tp, **kw)
         kcc = kv_cache_config(num_blocks, self.heads)
         self.vc.cache_config.num_gpu_blocks = num_blocks
@@ -222,13 +226,84 @@ def p_request(rid, d, tokens=40):
                                              "remote_control": d.conn.control_addr}, max_tokens=1)
 
 
-def run_until(cond, *steps):
-    for _ in range(MAX_STEPS):
+#: Every stepping loop of the tests is bounded by this deadline (seconds): it only bounds a
+#: hang (the connector's own threads move messages and bytes between steps), no assertion
+#: depends on it.
+WAIT_S = 120.0
+
+
+def run_until(cond, *steps, max_steps=None):
+    """Steps ``steps`` until ``cond()`` holds (True), the step budget is spent or ``WAIT_S``
+    passed (False). Between rounds it yields briefly to the connector's threads."""
+    end = time.monotonic() + WAIT_S
+    n = 0
+    while time.monotonic() < end and (max_steps is None or n < max_steps):
         if cond():
             return True
         for s in steps:
             s()
+        n += 1
+        time.sleep(0.002)
     return cond()
+
+
+def wait_for(cond, timeout=WAIT_S):
+    """Waits (without stepping) until ``cond()`` holds; bounds a hang only."""
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
+        if cond():
+            return True
+        time.sleep(0.005)
+    return cond()
+
+
+def introduce(*sides):
+    """Makes every side know every other's identity (the hello round trip a first request to a
+    new peer waits for), so that a test's first step behaves as any later one."""
+    for a in sides:
+        for b in sides:
+            if a is not b:
+                a.conn._sched.control.probe(b.conn.control_addr)
+    for a in sides:
+        for b in sides:
+            if a is not b:
+                assert wait_for(lambda: b.conn.control_addr in a.conn._sched.control.engine_at), "no hello"
+
+
+def sched_side(side):
+    return side.conn._sched
+
+
+def d_core(side):
+    """The D core of ``side`` (one policy in these tests)."""
+    (core,) = side.conn._sched.d_cores.values()
+    return core
+
+
+def p_core(side):
+    (core,) = side.conn._sched.p_cores.values()
+    return core
+
+
+def p_delayed(side):
+    """P requests whose blocks vLLM holds until the connector releases them."""
+    return {r for r, st in side.conn._sched.p_reqs.items() if st.delayed}
+
+
+def d_delayed(side):
+    return {r for r, st in side.conn._sched.d_reqs.items() if st.delayed}
+
+
+def timeline(side, n=1):
+    """The timeline records ``side`` wrote (JSON lines), waiting until at least ``n`` are there."""
+    def read():
+        out = []
+        for f in sorted(os.listdir(side.timeline_dir)):
+            with open(os.path.join(side.timeline_dir, f)) as fh:
+                out += [line.strip() for line in fh if line.strip()]
+        return out
+    wait_for(lambda: len(read()) >= n, timeout=30)
+    return read()
 
 
 def assert_no_leak(side):
@@ -237,4 +312,5 @@ def assert_no_leak(side):
 
 
 __all__ = ["Side", "make_request", "kv_pattern", "p_fill", "free_port", "model_dir", "RequestStatus", "LAYERS",
-           "MAX_STEPS", "PEER_TIMEOUT", "d_request", "p_request", "run_until", "assert_no_leak"]
+           "MAX_STEPS", "PEER_TIMEOUT", "d_request", "p_request", "run_until", "assert_no_leak", "wait_for",
+           "sched_side", "d_core", "p_core", "p_delayed", "d_delayed", "timeline", "WAIT_S", "introduce"]

@@ -131,7 +131,7 @@ class ControlPlane:
         self._tx_cv = threading.Condition(self._lock)
         self._rx_cv = threading.Condition(threading.Lock())
         self._inbox: deque = deque()
-        self._events: deque = deque()  # ("unreachable", addr) | ("reachable", addr)
+        self._events: deque = deque()  # ("unreachable" | "refused" | "reachable", addr)
         self._outs: dict[str, _Out] = {}
         #: engine id -> the advertised control address its envelopes carry
         self.addr_of: dict[str, str] = {}
@@ -224,33 +224,42 @@ class ControlPlane:
                 continue
             now = time.monotonic_ns()
             try:
-                e = env.decode(bytes(n.tag))
-            except (ValueError, UnicodeDecodeError):
+                tags = env.unbundle(bytes(n.tag))
+            except ValueError:
                 self.bad_messages += 1
                 continue
-            if e.engine_id and e.control:
-                self.addr_of[e.engine_id] = e.control
-            if e.kind == env.CLOCK:
-                self._on_clock(e, now)
-                continue
-            if e.kind in (env.HELLO, env.HELLO_REPLY):
-                try:
-                    h = env.from_json(e.payload)
-                except ValueError:
-                    self.bad_messages += 1
-                    continue
-                self.peer_hello[e.engine_id] = h
-                reached = h.get("reached_as")
-                if e.kind == env.HELLO_REPLY and isinstance(reached, str):
-                    self.engine_at[reached] = e.engine_id
-                if e.kind == env.HELLO and self.hello is not None:
-                    reply = dict(self.hello())
-                    reply["reached_as"] = h.get("dialled", "")
-                    self.send(e.control, env.HELLO_REPLY, env.to_json(reply))
-            self.incarnation_of[e.engine_id] = e.incarnation
-            with self._rx_cv:
-                self._inbox.append(e)
-                self._rx_cv.notify_all()
+            for tag in tags:
+                self._on_envelope(tag, now)
+
+    def _on_envelope(self, tag: bytes, now: int) -> None:
+        try:
+            e = env.decode(tag)
+        except (ValueError, UnicodeDecodeError):
+            self.bad_messages += 1
+            return
+        if e.engine_id and e.control:
+            self.addr_of[e.engine_id] = e.control
+        if e.kind == env.CLOCK:
+            self._on_clock(e, now)
+            return
+        if e.kind in (env.HELLO, env.HELLO_REPLY):
+            try:
+                h = env.from_json(e.payload)
+            except ValueError:
+                self.bad_messages += 1
+                return
+            self.peer_hello[e.engine_id] = h
+            reached = h.get("reached_as")
+            if e.kind == env.HELLO_REPLY and isinstance(reached, str):
+                self.engine_at[reached] = e.engine_id
+            if e.kind == env.HELLO and self.hello is not None:
+                reply = dict(self.hello())
+                reply["reached_as"] = h.get("dialled", "")
+                self.send(e.control, env.HELLO_REPLY, env.to_json(reply))
+        self.incarnation_of[e.engine_id] = e.incarnation
+        with self._rx_cv:
+            self._inbox.append(e)
+            self._rx_cv.notify_all()
 
     def _on_clock(self, e, now: int) -> None:
         try:
@@ -267,7 +276,7 @@ class ControlPlane:
     def _tx_loop(self) -> None:
         while not self._stop:
             with self._lock:
-                self._tx_cv.wait(0.01 if any(o.inflight or o.queue for o in self._outs.values()) else 0.2)
+                self._tx_cv.wait(0.0005 if any(o.inflight or o.queue for o in self._outs.values()) else 0.2)
                 outs = list(self._outs.values())
             now = time.monotonic()
             for o in outs:
@@ -279,16 +288,16 @@ class ControlPlane:
                         self.send(addr, env.CLOCK, env.clock(time.monotonic_ns(), 0, 0, False), droppable=True)
 
     def _service(self, o: _Out, now: float) -> None:
-        # completions of what is in flight, in order
-        while o.inflight:
-            b = o.inflight[0]
+        # One bundle in flight per destination: the next is written only once the last one's
+        # notification is queued at the target, which keeps them in order there.
+        if o.inflight:
             try:
-                if b.poll() is None:
-                    break
+                if o.inflight[0].poll() is None:
+                    return
             except kvwire.KvwireError as e:
                 self._broken(o, f"write failed: {e}")
                 return
-            o.inflight.pop(0)
+            o.inflight.clear()
         with self._lock:
             peer = o.peer
             if peer is None:
@@ -298,17 +307,20 @@ class ControlPlane:
                     threading.Thread(target=self._connect, args=(o,), name=f"kvwire-{self.name}-connect",
                                      daemon=True).start()
                 return
-            batch = list(o.queue)
-            o.queue.clear()
-        for i, tag in enumerate(batch):
-            try:
-                o.inflight.append(self.engine.write(peer, [], notify=tag))
-                self.sent += 1
-            except kvwire.KvwireError as e:
-                with self._lock:
-                    o.queue.extendleft(reversed(batch[i:]))
-                self._broken(o, f"write refused: {e}")
-                return
+            batch, size = [], 4
+            while o.queue and (not batch or size + 4 + len(o.queue[0]) <= env.MAX_BUNDLE):
+                tag = o.queue.popleft()
+                batch.append(tag)
+                size += 4 + len(tag)
+        if not batch:
+            return
+        try:
+            o.inflight.append(self.engine.write(peer, [], notify=batch[0] if len(batch) == 1 else env.bundle(batch)))
+            self.sent += len(batch)
+        except kvwire.KvwireError as e:
+            with self._lock:
+                o.queue.extendleft(reversed(batch))
+            self._broken(o, f"write refused: {e}")
 
     def _connect(self, o: _Out) -> None:
         logger.debug("kvwire: %s dialling %s (%d queued)", self.name, o.addr, len(o.queue))
@@ -324,6 +336,10 @@ class ControlPlane:
             if first:
                 logger.warning("kvwire: cannot reach %s: %s (retrying with backoff)", o.addr, e)
                 self._event(("unreachable", o.addr))
+            if "refused" in str(e).lower():
+                # Nothing listens there any more: the engine that did is gone (a timeout or a
+                # black hole says less, and is left to the peer's heartbeats).
+                self._event(("refused", o.addr))
             return
         hello = None
         if self.hello is not None:

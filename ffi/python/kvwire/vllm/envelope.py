@@ -9,7 +9,10 @@ scheduler side and its own workers, travels as one kvwire notification in this l
 The sender's identity is its vLLM engine id and the incarnation of this process (random at
 start), not an address string: a peer that restarts is recognised by a new incarnation, and one
 that announces itself under a different host name than the one it was dialled by is still the
-same peer. Payloads by kind:
+same peer. Envelopes queued for one destination travel together as one *bundle* notification
+(``b"KVWB" | (length u32 | envelope)*``), one bundle in flight per destination at a time, so
+they arrive in the order they were sent (the engine orders notifications only of batches that
+did not overlap in time). Payloads by kind:
 
 * ``TO_P`` / ``TO_D``: an encoded kvwire-connector protocol message (:mod:`kvwire.core`).
 * ``HELLO`` / ``HELLO_REPLY``: JSON: the sender's role, advertised data addresses (one per TP
@@ -31,6 +34,10 @@ import struct
 from dataclasses import dataclass
 
 MAGIC = b"KVW2"
+BUNDLE_MAGIC = b"KVWB"
+#: Largest bundle (the engine's notification limit is 64 KiB).
+MAX_BUNDLE = 60 << 10
+_LEN = struct.Struct("<I")
 TO_P = 1
 REPORT = 2
 TO_D = 3
@@ -66,6 +73,31 @@ def encode(kind: int, engine_id: str, incarnation: int, control: str, payload: b
     e, c = engine_id.encode(), control.encode()
     return (MAGIC + struct.pack("<BH", kind, len(e)) + e + struct.pack("<QH", incarnation, len(c)) + c
             + payload)
+
+
+def bundle(tags: list) -> bytes:
+    """One notification carrying ``tags`` (envelopes) in order."""
+    return BUNDLE_MAGIC + b"".join(_LEN.pack(len(t)) + t for t in tags)
+
+
+def unbundle(tag: bytes) -> list:
+    """The envelopes of a notification: its parts when it is a bundle, else ``[tag]``. Raises
+    ``ValueError`` on a malformed bundle (nothing of it is used)."""
+    if tag[:4] != BUNDLE_MAGIC:
+        return [tag]
+    out, i = [], 4
+    while i < len(tag):
+        if i + 4 > len(tag):
+            raise ValueError("bundle: truncated length")
+        (n,) = _LEN.unpack_from(tag, i)
+        i += 4
+        if n == 0 or i + n > len(tag):
+            raise ValueError("bundle: part overruns the notification")
+        out.append(tag[i:i + n])
+        i += n
+    if not out:
+        raise ValueError("bundle: empty")
+    return out
 
 
 def decode(tag: bytes) -> Envelope:

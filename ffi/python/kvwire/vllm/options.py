@@ -8,7 +8,9 @@ see :data:`TIMEOUTS`):
   (``kvwire_policy``, ``kvwire_send_mode``): one deployment can A/B them per request.
 * ``control_listen`` (scheduler), ``data_listen`` (worker; TP rank r listens on port + r),
   ``advertise_host`` (what peers are told to connect to when a listen host is ``0.0.0.0``;
-  default: this host's address towards the peer), ``secret``, ``transport``, ``layers``.
+  default: this host's address towards the peer), ``secret``, ``transport`` (of the data
+  engines; control messages always go over TCP, so no control engine opens an RDMA device),
+  ``layers``.
 * ``land_pool_blocks``: slots of D's landing pool, per layer, in host memory (default 1024
   with policy ``land``, else 0; set it to let requests override the policy to ``land``).
 * ``timeline_path``: a directory; each engine and role writes its timeline there as JSON lines

@@ -132,8 +132,9 @@ class SchedulerSide:
         self.lock = threading.RLock()
         self.descriptor = _desc.describe(c._vllm_config, c._layers, c._tp)
         self.rank_addrs: list[str] = []  # our workers' data addresses, in rank order
+        self.worker_ctl: list[str] = []  # our workers' control addresses (their work goes there)
         self.control = ControlPlane(engine_id=self.engine_id, incarnation=self.incarnation,
-                                    listen=o.control_listen, secret=o.secret, transport=o.transport,
+                                    listen=o.control_listen, secret=o.secret, transport="tcp",
                                     advertise_host=o.advertise_host,
                                     connect_timeout=o.timeouts["connect_timeout"], hello=self._hello,
                                     name="sched")
@@ -183,6 +184,12 @@ class SchedulerSide:
 
             self.bootstrap = BootstrapServer(o.bootstrap_port, lambda: {"engine_id": self.engine_id,
                                                                         "kvwire_control": self.control.addr})
+        # The configured policy's and send mode's cores exist from the start (their gauges are
+        # in the stats at once); others appear with the first request that asks for them.
+        if c._is_consumer:
+            self.d_core(o.policy)
+        if c._is_producer:
+            self.p_core(o.send_mode)
         self._stop = False
         self._driver = threading.Thread(target=self._drive, name="kvwire-driver", daemon=True)
         self._driver.start()
@@ -266,6 +273,13 @@ class SchedulerSide:
         known before is judged by its heartbeats."""
         if kind == "reachable":
             self.unreachable.discard(addr)
+        elif kind == "refused":
+            eid = self.control.engine_at.get(addr)
+            pid = self.pid_of_engine.get(eid) if eid else None
+            if pid is not None:
+                logger.warning("kvwire: peer %s at %s refuses connections: it is down", eid, addr)
+                for core in self._cores():
+                    self._core_call(core.peer_down, pid, now, quiet=True)
         elif addr not in self.control.engine_at:
             self.unreachable.add(addr)
             for st in list(self.p_reqs.values()):
@@ -472,7 +486,7 @@ class SchedulerSide:
 
     def _to_workers(self, work: dict) -> None:
         payload = env.to_json(work)
-        for addr in self.rank_addrs:
+        for addr in self.worker_ctl:
             self.control.send(addr, env.WORK, payload)
 
     def _core_call(self, fn, *args, quiet: bool = False) -> bool:
@@ -633,6 +647,11 @@ class SchedulerSide:
                 st.loads = {f"d_{k}": v for k, v in loads.items()}
                 if pid in self.incompatible:
                     logger.warning("kvwire: request %s: P %s is incompatible: %s", req, addr, "; ".join(self.incompatible[pid]))
+                    # P learns of it (its Announce, then its Abort) and frees its blocks; here the
+                    # request takes the load-error path without a block reserved.
+                    if self._core_call(core.arrived, key, pid, max(tokens, 1), blocks, now, quiet=True):
+                        self._core_call(core.abort, key, now, quiet=True)
+                        self._run_actions(now)
                     st.failed_early = True
                     self.d_reqs[req] = st
                     return tokens, True
@@ -912,17 +931,19 @@ class SchedulerSide:
         from kvwire.vllm.worker import KvwireHandshake
 
         tp = self.c._tp
-        addrs, layouts = {}, {}
+        addrs, layouts, ctls = {}, {}, {}
         for rank, m in (metadata or {}).items():
             if isinstance(m, KvwireHandshake) and m.tp == tp and m.rank == rank:
                 addrs[rank] = m.data_addr
                 layouts[rank] = (m.layout, m.block_bytes)
+                ctls[rank] = m.control_addr
         if sorted(addrs) != list(range(tp)):
             logger.error("kvwire: data addresses of tensor parallel ranks %s reported, expected 0..%d: "
                          "P cannot write into this instance's KV caches", sorted(addrs), tp - 1)
             return
         with self.lock:
             self.rank_addrs = [addrs[r] for r in range(tp)]
+            self.worker_ctl = [ctls[r] for r in range(tp) if ctls[r]]
             layout, bb = layouts[0]
             self.descriptor = _desc.describe(self.c._vllm_config, self.c._layers, tp, layout, bb)
 

@@ -79,6 +79,7 @@ class KvwireHandshake(compat.KVConnectorHandshakeMetadata):
     data_addr: str
     layout: str | None = None
     block_bytes: int | None = None
+    control_addr: str | None = None  # where the scheduler sends this rank its work
 
 
 @dataclass
@@ -112,8 +113,14 @@ class WorkerSide:
             raise kvwire.InvalidArgumentError(f"tensor parallel rank {self.rank} out of range for size {self.tp}")
         self.listen = rank_listen(o.data_listen, self.rank)
         self.engine = kvwire.Engine(listen=self.listen, secret=o.secret, transport=o.transport)
+        # Its own small engine for the messages with its scheduler (destinations in, reports
+        # out), so the data engine carries KV only. Control engines run TCP: they open no RDMA
+        # device.
+        ctl_host = self.listen.rpartition(":")[0] or "127.0.0.1"
         self.control = ControlPlane(engine_id=f"{c._engine_id}/worker{self.rank}", incarnation=0,
-                                    engine=self.engine, name=f"worker{self.rank}")
+                                    listen=f"{ctl_host}:0", secret=o.secret,
+                                    transport="tcp",
+                                    advertise_host=o.advertise_host, name=f"worker{self.rank}")
         self.layers: list[str] = []
         self.regions: dict[str, Any] = {}
         self.shape: dict[str, tuple] = {}  # name -> (halves, num_blocks, block_bytes)
@@ -190,7 +197,7 @@ class WorkerSide:
             addr = advertised(self.listen, addr, self.c.opts.advertise_host)
         except (kvwire.InvalidArgumentError, ValueError):
             pass
-        return KvwireHandshake(self.rank, self.tp, addr, self.layout, self.block_bytes)
+        return KvwireHandshake(self.rank, self.tp, addr, self.layout, self.block_bytes, self.control.addr)
 
     # ---- per step ----
     def start_load_kv(self, meta):
@@ -202,7 +209,8 @@ class WorkerSide:
         if self.stager is None or not self.stager.consumer:
             self.recv |= meta.finished_recving
         else:  # reported by get_finished once their blocks were copied mirror -> device
-            self.stager.land(meta.finished_recving, meta.recv_block_ids)
+            with self.lock:
+                self.stager.land(meta.finished_recving, meta.recv_block_ids)
         for req, blocks in meta.failed_recving.items():
             self.recv.add(req)
             self.load_errors.update(blocks)
@@ -266,7 +274,8 @@ class WorkerSide:
         with self.lock:
             self._reap()
         if self.stager is not None:  # D: + the requests whose blocks were copied to the device
-            self.recv, self.sending, bad = self.stager.settle(self.recv, self.sending)
+            with self.lock:
+                self.recv, self.sending, bad = self.stager.settle(self.recv, self.sending)
             self.load_errors |= bad
         recv, self.recv = self.recv, set()
         sending, self.sending = self.sending, set()
@@ -480,7 +489,7 @@ class WorkerSide:
     def close(self):
         self._stop = True
         self._bg.join(timeout=2.0)
-        self.control.close()
+        self.control.close()  # its own engine
         self.engine.shutdown()
         if self.stager is not None:
             self.stager.close()
