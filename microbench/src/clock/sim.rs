@@ -5,7 +5,7 @@ use std::collections::VecDeque;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use kvwire_connector::sim::queue::EventQueue;
+use kvwire_testkit::queue::EventQueue;
 use kvwire_connector::{
     DAction, DConfig, DEvent, DSide, Message, Nanos, PAction, PConfig, PEvent, PSide, PeerId,
     Policy, RequestId, SendMode, TimelineRecord, SEC,

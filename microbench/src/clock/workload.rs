@@ -2,7 +2,7 @@
 
 use std::path::Path;
 
-use kvwire_connector::sim::rng::Rng;
+use kvwire_testkit::rng::Rng;
 use kvwire_connector::{Nanos, SEC};
 
 /// One request of a run, the same for every cell of the matrix.
