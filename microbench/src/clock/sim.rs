@@ -5,11 +5,11 @@ use std::collections::VecDeque;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use kvwire_testkit::queue::EventQueue;
 use kvwire_connector::{
     DAction, DConfig, DEvent, DSide, Message, Nanos, PAction, PConfig, PEvent, PSide, PeerId,
     Policy, RequestId, SendMode, TimelineRecord, SEC,
 };
+use kvwire_testkit::queue::EventQueue;
 
 use super::datapath::DataPath;
 use super::workload::RequestSpec;

@@ -2,8 +2,8 @@
 
 use std::path::Path;
 
-use kvwire_testkit::rng::Rng;
 use kvwire_connector::{Nanos, SEC};
+use kvwire_testkit::rng::Rng;
 
 /// One request of a run, the same for every cell of the matrix.
 #[derive(Clone, Debug, PartialEq, Eq)]
