@@ -8,14 +8,21 @@ use crate::costmodel::CostModel;
 use super::calibration::{calibrate, CalibrateOptions};
 use super::error::BadLines;
 use super::grid::predict_grid;
-use super::records::read_timeline;
+use super::production::{read_production, ProductionOptions};
 
 /// Arguments of `kvwire-bench calibrate`.
 #[derive(Debug, clap::Args)]
 pub struct CalibrateArgs {
-    /// Timeline records (JSON lines) to fit on.
-    #[arg(long, value_name = "FILE", required_unless_present = "predict_grid")]
+    /// Timeline records (JSON lines) to fit on: a file, or a directory of production timelines
+    /// (`*.jsonl` and rotated `*.jsonl.N` of the vLLM connector's P and D engines, router
+    /// records in `router*.jsonl`, subdirectories included) whose P and D records are joined
+    /// onto D's clock.
+    #[arg(long, value_name = "PATH", required_unless_present = "predict_grid")]
     pub timeline: Option<PathBuf>,
+    /// Joined P and D records whose clock offset estimate is less certain than this are kept
+    /// and counted.
+    #[arg(long, value_name = "MS", default_value_t = 5.0)]
+    pub max_clock_error_ms: f64,
     /// Write the fitted cost model (JSON, schema kvwire.cost/1) here.
     #[arg(long, value_name = "FILE")]
     pub out: Option<PathBuf>,
@@ -76,28 +83,39 @@ fn run_cli_inner(a: &CalibrateArgs) -> Result<(), String> {
         return Ok(());
     }
     let Some(tpath) = &a.timeline else {
-        return Err("--timeline FILE is required (or --model with --predict-grid)".into());
+        return Err("--timeline PATH is required (or --model with --predict-grid)".into());
     };
-    let bad = if a.skip_bad_lines {
-        BadLines::Skip
-    } else {
-        BadLines::Fail
-    };
-    let t = read_timeline(tpath, bad).map_err(|e| e.to_string())?;
-    for (line, e) in &t.bad_lines {
-        eprintln!("skipped line {line}: {e}");
+    let ms = a.max_clock_error_ms;
+    if !(ms.is_finite() && ms >= 0.0) {
+        return Err(format!("--max-clock-error-ms must be >= 0, got {ms}"));
     }
+    let popts = ProductionOptions {
+        bad: if a.skip_bad_lines {
+            BadLines::Skip
+        } else {
+            BadLines::Fail
+        },
+        max_clock_error_ns: (ms * 1e6) as u64,
+    };
+    let p = read_production(tpath, &popts).map_err(|e| e.to_string())?;
+    for b in &p.bad_lines {
+        eprintln!("skipped {b}");
+    }
+    let t = &p.timeline;
     say(&format!(
         "timeline {}: {} usable records; skipped {} malformed, {} failed, {} incomplete \
          (no decode_sent/first_token), {} zero clock, {} duplicate\n",
         tpath.display(),
         t.samples.len(),
-        t.bad_lines.len(),
+        p.bad_lines.len(),
         t.skipped_failed,
         t.skipped_incomplete,
         t.skipped_zero,
         t.skipped_duplicate
     ));
+    if tpath.is_dir() || p.has_production_records() {
+        say(&format!("{}\n", p.summary(popts.max_clock_error_ns)));
+    }
     let opts = CalibrateOptions {
         transport: a.transport.clone(),
         send_mode: a.send_mode.clone(),

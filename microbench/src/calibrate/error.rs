@@ -48,6 +48,17 @@ pub enum CalibrateError {
         #[source]
         error: LineError,
     },
+    /// A malformed line of one file of a directory of timelines (under [`BadLines::Fail`]).
+    #[error("timeline {file}:{line}: {error}")]
+    FileLine {
+        /// The file.
+        file: String,
+        /// 1-based line number.
+        line: usize,
+        /// What is wrong with it.
+        #[source]
+        error: LineError,
+    },
     /// Records of several transports and no choice made.
     #[error("records of several transports ({0}); pick one with --transport")]
     MixedTransports(String),

@@ -2,19 +2,23 @@
 //! error on records it was not fitted on.
 //!
 //! Input: JSON lines, one record per request, as written by the connector core
-//! (`kvwire_connector::timeline::TimelineRecord::to_json_line`: the clock bench, the simulator,
-//! the vLLM connector's logs) or by anything else with the same field names. Per line the fit
+//! (`kvwire_connector::timeline::TimelineRecord::to_json_line`: the clock bench, the simulator)
+//! or by anything else with the same field names; or a directory of production timelines (the
+//! vLLM connector's P and D records and the router's, [`read_production`]): P's and D's records
+//! of one request are joined onto D's clock first, then fitted like the rest. Per line the fit
 //! needs `decode_sent` and `first_token` (nanoseconds), `bytes` and `layers`; the request id is
 //! `req` (a number or a string; `request_id` and `id` are accepted too). The D-side load at
-//! `decode_sent`, `dst_waiting` and `dst_running`, is optional: the connector's timeline does
-//! not carry it (the host knows its scheduler's queues, the core does not), so a record without
-//! it counts as an idle destination and the load terms are only fitted where the records carry
-//! varying load (see [`Calibration::notes`]). The same holds for the source side: what a router
-//! knows of the prefill engine at `decode_sent` (`prefill_tokens`, the request's own tokens P
-//! still computes — or `tokens − cached_tokens` when only those are given —, `src_waiting`,
-//! `src_queued_tokens`, `src_running_tokens`, `src_pending_bytes`, see [`crate::costmodel::Inputs`]); absent fields
-//! count as 0. `send_mode`, `policy` and `scenario` are read when present, to report the
-//! held-out error per group ([`Calibration::groups`]).
+//! `decode_sent`, `dst_waiting` and `dst_running`, is optional: the core's records do not carry
+//! it (the host knows its scheduler's queues, the core does not; the vLLM connector's
+//! production records add them), so a record without it counts as an idle destination and the
+//! load terms are only fitted where the records carry varying load (see
+//! [`Calibration::notes`]). The same holds for the source side: what a router knows of the
+//! prefill engine at `decode_sent` (`prefill_tokens`, the request's own tokens P still computes
+//! — or `tokens − cached_tokens` when only those are given —, `src_waiting`,
+//! `src_queued_tokens`, `src_running_tokens`, `src_pending_bytes`, see
+//! [`crate::costmodel::Inputs`]); absent fields count as 0. `send_mode`, `policy` and
+//! `scenario` are read when present, to report the held-out error per group
+//! ([`Calibration::groups`]).
 //!
 //! Lines that are not JSON, or whose fields have the wrong type, or that lack `bytes`/`layers`,
 //! or whose clock runs backwards, are malformed: [`BadLines::Fail`] stops at the first with its
@@ -64,6 +68,11 @@
 //! A term whose feature is constant over the training part (every record with the same layer
 //! count, no load fields) cannot be told apart from `fixed_s`: it is set to zero and a note says
 //! so.
+//!
+//! Where things are: `records` (a line into a [`Sample`]), `production` (directories of P, D
+//! and router records, joined), `error`, `split`, `nnls` (Lawson–Hanson), `fit` (the design and
+//! its mean, p50 and quantile solutions), `calibration` ([`calibrate`]), `stats`, `table` (what
+//! the CLI prints), `grid` (`--predict-grid`), `cli`.
 
 mod calibration;
 mod cli;
@@ -71,6 +80,7 @@ mod error;
 mod fit;
 mod grid;
 mod nnls;
+mod production;
 mod records;
 mod split;
 mod stats;
@@ -81,6 +91,7 @@ pub use cli::{run_cli, CalibrateArgs};
 pub use error::{BadLines, CalibrateError, LineError};
 pub use fit::NO_SOURCE_NOTE;
 pub use grid::{grid_inputs, predict_grid};
+pub use production::{production_files, read_production, BadLine, Production, ProductionOptions};
 pub use records::{parse_timeline, read_timeline, Sample, Timeline, SEGMENTS};
 pub use split::{is_train, split, MIN_HELD_OUT, MIN_TRAIN, TRAIN_PERCENT};
 pub use stats::{quantile, rel_error, segment_stats, GroupError, RelError, SegmentStat};

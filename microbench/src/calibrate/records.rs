@@ -107,11 +107,22 @@ pub struct Timeline {
     pub skipped_duplicate: usize,
 }
 
+/// A request id: a number or a string.
 #[derive(Deserialize)]
 #[serde(untagged)]
-enum RawId {
+pub(super) enum RawId {
     Num(u64),
     Str(String),
+}
+
+impl RawId {
+    /// The id as text (numbers in decimal).
+    pub(super) fn text(&self) -> String {
+        match self {
+            RawId::Num(n) => n.to_string(),
+            RawId::Str(s) => s.clone(),
+        }
+    }
 }
 
 #[derive(Deserialize)]
@@ -143,24 +154,31 @@ struct RawRecord {
     d_promoted: Option<u64>,
 }
 
-enum Parsed {
+/// What one line is.
+pub(super) enum Parsed {
     Use(Box<Sample>),
     Failed,
     Incomplete,
     Zero,
 }
 
-fn parse_line(text: &str, line: usize) -> Result<Parsed, LineError> {
-    let mut r: RawRecord = serde_json::from_str(text)?;
+pub(super) fn parse_line(text: &str, line: usize) -> Result<Parsed, LineError> {
+    sample_of(serde_json::from_str(text)?, line)
+}
+
+/// [`parse_line`] of a line already parsed as JSON.
+pub(super) fn parse_value(v: &serde_json::Value, line: usize) -> Result<Parsed, LineError> {
+    sample_of(RawRecord::deserialize(v)?, line)
+}
+
+fn sample_of(mut r: RawRecord, line: usize) -> Result<Parsed, LineError> {
     if r.outcome.as_deref() == Some("failed") {
         return Ok(Parsed::Failed);
     }
     let bytes = r.bytes.ok_or(LineError::Missing("bytes"))?;
     let layers = r.layers.ok_or(LineError::Missing("layers"))?;
-    let id = match r.req.take() {
-        Some(RawId::Num(n)) => n.to_string(),
-        Some(RawId::Str(s)) => s,
-        None => return Err(LineError::Missing("req")),
+    let Some(id) = r.req.as_ref().map(RawId::text) else {
+        return Err(LineError::Missing("req"));
     };
     let (Some(start), Some(end)) = (r.decode_sent, r.first_token) else {
         return Ok(Parsed::Incomplete);
@@ -215,8 +233,7 @@ fn parse_timeline_named<R: BufRead>(
     bad: BadLines,
     name: &str,
 ) -> Result<Timeline, CalibrateError> {
-    let mut t = Timeline::default();
-    let mut seen: HashSet<(String, u64)> = HashSet::new();
+    let mut t = Collect::default();
     for (i, line) in reader.lines().enumerate() {
         let n = i + 1;
         let text = line.map_err(|source| CalibrateError::Io {
@@ -227,23 +244,40 @@ fn parse_timeline_named<R: BufRead>(
             continue;
         }
         match parse_line(&text, n) {
-            Ok(Parsed::Use(s)) => {
-                if seen.insert((s.id.clone(), s.seconds.to_bits())) {
+            Ok(p) => t.add(p),
+            Err(error) => match bad {
+                BadLines::Fail => return Err(CalibrateError::Line { line: n, error }),
+                BadLines::Skip => t.timeline.bad_lines.push((n, error)),
+            },
+        }
+    }
+    Ok(t.timeline)
+}
+
+/// A timeline being read: records added one by one, exact duplicates dropped.
+#[derive(Default)]
+pub(super) struct Collect {
+    pub(super) timeline: Timeline,
+    seen: HashSet<(String, u64)>,
+}
+
+impl Collect {
+    /// Adds a usable record (unless it repeats an earlier one) or counts an unusable one.
+    pub(super) fn add(&mut self, p: Parsed) {
+        let t = &mut self.timeline;
+        match p {
+            Parsed::Use(s) => {
+                if self.seen.insert((s.id.clone(), s.seconds.to_bits())) {
                     t.samples.push(*s);
                 } else {
                     t.skipped_duplicate += 1;
                 }
             }
-            Ok(Parsed::Failed) => t.skipped_failed += 1,
-            Ok(Parsed::Incomplete) => t.skipped_incomplete += 1,
-            Ok(Parsed::Zero) => t.skipped_zero += 1,
-            Err(error) => match bad {
-                BadLines::Fail => return Err(CalibrateError::Line { line: n, error }),
-                BadLines::Skip => t.bad_lines.push((n, error)),
-            },
+            Parsed::Failed => t.skipped_failed += 1,
+            Parsed::Incomplete => t.skipped_incomplete += 1,
+            Parsed::Zero => t.skipped_zero += 1,
         }
     }
-    Ok(t)
 }
 
 /// Reads a timeline file.
