@@ -8,7 +8,7 @@
 //! `cargo bench -p kvwire-connector --bench step -- --warm-up-time 1 --measurement-time 3`
 
 use criterion::{criterion_group, criterion_main, BenchmarkId, Criterion};
-use kvwire_connector::steploop::{DStepLoop, PStepLoop};
+use kvwire_testkit::steploop::{DStepLoop, PStepLoop};
 
 fn steps(c: &mut Criterion) {
     let mut g = c.benchmark_group("connector_step");

@@ -4,7 +4,7 @@
 //!
 //! `cargo run --release -p kvwire-connector --example policies [requests]`
 
-use kvwire_connector::sim::{self, SimConfig, SimReport};
+use kvwire_testkit::sim::{self, SimConfig, SimReport};
 use kvwire_connector::{Policy, SendMode};
 
 fn row(name: &str, r: &SimReport) {

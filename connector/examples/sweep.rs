@@ -4,7 +4,7 @@
 //! `cargo run --release -p kvwire-connector --example sweep [seeds] [requests] [harsh]`
 //! (`harsh`: ten times the failure rates and 1% message loss).
 
-use kvwire_connector::sim::{self, SimConfig};
+use kvwire_testkit::sim::{self, SimConfig};
 use kvwire_connector::{Policy, SendMode};
 
 fn main() {

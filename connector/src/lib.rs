@@ -1,7 +1,7 @@
 //! kvwire-connector: the prefill/decode (P/D) KV-transfer protocol as pure state machines.
 //!
 //! Nothing here does I/O or reads a clock. The host (vLLM glue, the microbench, the simulator in
-//! [`sim`]) feeds events with a timestamp ([`Nanos`]) and carries out the actions the cores
+//! the `kvwire-testkit` crate) feeds events with a timestamp ([`Nanos`]) and carries out the actions the cores
 //! return, quinn-proto style:
 //!
 //! * [`DSide`]: the decode side — when to reserve KV blocks ([`Policy`]: eager, lazy, jit),
@@ -92,8 +92,6 @@ pub mod metrics;
 pub mod msg;
 pub(crate) mod peers;
 pub mod pside;
-pub mod sim;
-pub mod steploop;
 pub mod timeline;
 pub(crate) mod timer;
 pub mod types;

@@ -1,7 +1,7 @@
 //! Unit tests of the D and P state machines, driven by hand, and of the invariant checker.
 
 use kvwire_connector::msg::Message;
-use kvwire_connector::sim::check::{BlockUse, Checker, Role, Violation};
+use kvwire_testkit::sim::check::{BlockUse, Checker, Role, Violation};
 use kvwire_connector::*;
 
 const P: PeerId = PeerId(7);

@@ -3,7 +3,7 @@
 
 use kvwire_connector::{DAction, Message, PAction};
 use pyo3::prelude::*;
-use pyo3::types::PyBytes;
+use pyo3::types::{PyBytes, PyTuple};
 
 use crate::errors::ConnectorError;
 
@@ -19,8 +19,9 @@ macro_rules! action {
         #[pymethods]
         impl $name {
             #[classattr]
-            fn __match_args__() -> Vec<&'static str> {
-                vec![$(stringify!($field)),*]
+            fn __match_args__(py: Python<'_>) -> PyResult<Py<PyTuple>> {
+                // A tuple, as positional class patterns require.
+                Ok(PyTuple::new(py, [$(stringify!($field)),*])?.unbind())
             }
 
             fn __repr__(&self, py: Python<'_>) -> PyResult<String> {

@@ -1,105 +1,41 @@
 //! Python exceptions: one class per kind of engine error, all under `kvwire.KvwireError`.
+//!
+//! The classes are defined once, in the Python module `kvwire.errors` (a table of name,
+//! builtin base and doc; `kvwire` re-exports them). Here they are only named, to be raised:
+//! each is looked up from `kvwire.errors` the first time, then kept.
 
 use kvwire_transfer::cuda::CudaError as DriverError;
 use kvwire_transfer::layer::LayerError;
 use kvwire_transfer::Error;
-use pyo3::create_exception;
-use pyo3::exceptions::PyException;
 use pyo3::prelude::*;
 
-create_exception!(
-    kvwire,
-    KvwireError,
-    PyException,
-    "Base class of every kvwire error."
-);
-create_exception!(
-    kvwire,
-    IoError,
-    KvwireError,
-    "An operating-system I/O error (socket, mmap...)."
-);
-create_exception!(
-    kvwire,
-    ProtocolError,
-    KvwireError,
-    "A peer broke the wire protocol (malformed frame...)."
-);
-create_exception!(
-    kvwire,
-    VersionMismatchError,
-    KvwireError,
-    "The peers speak different protocol versions."
-);
-create_exception!(
-    kvwire,
-    AuthError,
-    KvwireError,
-    "The shared-secret proof failed."
-);
-create_exception!(
-    kvwire,
-    OutOfBoundsError,
-    KvwireError,
-    "An access outside a region's bounds."
-);
-create_exception!(kvwire, UnknownRegionError, KvwireError, "No such region (never registered, not offered, or an address outside every registered buffer).");
-create_exception!(
-    kvwire,
-    StaleRegionError,
-    KvwireError,
-    "The region was unregistered."
-);
-create_exception!(
-    kvwire,
-    AccessDeniedError,
-    KvwireError,
-    "The region does not allow this access."
-);
-create_exception!(
-    kvwire,
-    PeerDeadError,
-    KvwireError,
-    "The peer died or its connection broke."
-);
-create_exception!(kvwire, TimeoutError, KvwireError, "A deadline passed.");
-create_exception!(
-    kvwire,
-    ShutdownError,
-    KvwireError,
-    "The engine was shut down."
-);
-create_exception!(
-    kvwire,
-    InvalidArgumentError,
-    KvwireError,
-    "An invalid argument."
-);
-create_exception!(kvwire, UnsupportedError, KvwireError, "Not available here.");
-create_exception!(
-    kvwire,
-    ConnectorError,
-    KvwireError,
-    "The P/D connector core refused an event."
-);
+/// Each named class of `kvwire.errors` as a Rust exception type (`X::new_err(msg)`), looked up
+/// from that module the first time it is raised.
+macro_rules! from_errors_module {
+    ($($name:ident),* $(,)?) => {
+        $(pyo3::import_exception!(kvwire.errors, $name);)*
+    };
+}
 
-create_exception!(
-    kvwire,
+from_errors_module!(
+    KvwireError,
+    IoError,
+    ProtocolError,
+    VersionMismatchError,
+    AuthError,
+    OutOfBoundsError,
+    UnknownRegionError,
+    StaleRegionError,
+    AccessDeniedError,
+    PeerDeadError,
+    TimeoutError,
+    ShutdownError,
+    InvalidArgumentError,
+    UnsupportedError,
+    ConnectorError,
     AbortedError,
-    KvwireError,
-    "The layer stream was aborted (LayerStream.abort, or its handle was dropped)."
-);
-create_exception!(
-    kvwire,
     LayerStreamError,
-    KvwireError,
-    "A layer stream failed: a layer's readiness (e.g. a CUDA event) or its staging copy failed."
-);
-create_exception!(
-    kvwire,
     CudaError,
-    KvwireError,
-    "A CUDA driver call failed (a missing driver or device raises UnsupportedError instead)."
 );
 
 /// Converts an engine error into the matching Python exception.
@@ -160,34 +96,4 @@ pub fn cuda_to_py(e: DriverError) -> PyErr {
 /// `InvalidArgumentError` with a message.
 pub fn invalid(msg: impl Into<String>) -> PyErr {
     InvalidArgumentError::new_err(msg.into())
-}
-
-/// Adds the exception classes to the module.
-pub fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
-    let py = m.py();
-    m.add("KvwireError", py.get_type::<KvwireError>())?;
-    m.add("IoError", py.get_type::<IoError>())?;
-    m.add("ProtocolError", py.get_type::<ProtocolError>())?;
-    m.add(
-        "VersionMismatchError",
-        py.get_type::<VersionMismatchError>(),
-    )?;
-    m.add("AuthError", py.get_type::<AuthError>())?;
-    m.add("OutOfBoundsError", py.get_type::<OutOfBoundsError>())?;
-    m.add("UnknownRegionError", py.get_type::<UnknownRegionError>())?;
-    m.add("StaleRegionError", py.get_type::<StaleRegionError>())?;
-    m.add("AccessDeniedError", py.get_type::<AccessDeniedError>())?;
-    m.add("PeerDeadError", py.get_type::<PeerDeadError>())?;
-    m.add("TimeoutError", py.get_type::<TimeoutError>())?;
-    m.add("ShutdownError", py.get_type::<ShutdownError>())?;
-    m.add(
-        "InvalidArgumentError",
-        py.get_type::<InvalidArgumentError>(),
-    )?;
-    m.add("UnsupportedError", py.get_type::<UnsupportedError>())?;
-    m.add("ConnectorError", py.get_type::<ConnectorError>())?;
-    m.add("AbortedError", py.get_type::<AbortedError>())?;
-    m.add("LayerStreamError", py.get_type::<LayerStreamError>())?;
-    m.add("CudaError", py.get_type::<CudaError>())?;
-    Ok(())
 }

@@ -6,8 +6,8 @@
 //! * [`cuda`]: `kvwire.CudaStager` and `kvwire.CudaSource` (CUDA device memory as a source).
 //! * [`core`]: the P/D connector core (decode and prefill state machines) for the vLLM connector.
 //!
-//! Errors become exceptions of the `kvwire.KvwireError` hierarchy ([`errors`]); blocking calls
-//! release the GIL.
+//! Errors become exceptions of the `kvwire.KvwireError` hierarchy, defined in the Python module
+//! `kvwire.errors` and raised from here ([`errors`]); blocking calls release the GIL.
 
 pub mod core;
 pub mod core_actions;
@@ -24,7 +24,6 @@ use pyo3::prelude::*;
 /// The extension module.
 #[pymodule]
 fn _kvwire(m: &Bound<'_, PyModule>) -> PyResult<()> {
-    errors::register(m)?;
     m.add_class::<engine::PyEngine>()?;
     m.add_class::<engine::PyRegion>()?;
     m.add_class::<engine::PyRemoteRegion>()?;

@@ -42,6 +42,8 @@ use serde_json::json;
 const READY: &str = "KVWIRE_LAYERWISE_READY ";
 /// Line the target prints for each notification: tag and wall-clock arrival time (ns).
 const NOTE: &str = "KVWIRE_LAYERWISE_NOTE ";
+/// Seed of the source image (the testkit's byte pattern), checked byte for byte after a send.
+const IMAGE_SEED: u64 = 0x4c41_5945_5257_4953;
 
 /// Wall-clock nanoseconds (CLOCK_REALTIME: one clock for both processes on this host).
 fn now_ns() -> u128 {
@@ -411,10 +413,6 @@ struct Side {
     notes: std::sync::mpsc::Receiver<(String, u128)>,
 }
 
-fn pat(off: u64) -> u8 {
-    ((off.wrapping_mul(0x9E37_79B9_7F4A_7C15)) >> 56) as u8
-}
-
 fn ops_of(local: RegionHandle, layers: &[Vec<Extent>]) -> Vec<Op> {
     layers
         .iter()
@@ -479,7 +477,7 @@ fn run_transport(
         engine.alloc_region(ulen, Access::Local),
         "allocating scratch",
     )?;
-    let img: Vec<u8> = (0..len).map(pat).collect();
+    let img = kvwire_testkit::pattern::bytes(IMAGE_SEED, 0, ulen);
     eng(engine.local_write(src, 0, &img), "filling the source")?;
     let notes = target
         .notes

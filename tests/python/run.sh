@@ -28,6 +28,6 @@ except m.PackageNotFoundError: print("no vllm")'))"
   KVWIRE_REQUIRE_TORCH=$req_torch "$py" -m pytest -q -p no:cacheprovider \
     test_engine.py test_engine_layer.py test_mooncake_dropin.py test_vllm_connector.py test_vllm_tp.py test_vllm_staging.py \
     test_vllm_metrics.py test_mooncake_vllm.py \
-    test_costs.py test_metrics.py || rc=1
+    test_costs.py test_metrics.py test_errors.py test_stubs.py || rc=1
 done <"$CACHE/venvs.txt"
 exit $rc

@@ -43,16 +43,7 @@ struct Side {
 }
 
 fn pattern(seed: u64, len: usize) -> Vec<u8> {
-    let mut x = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
-    let mut v = Vec::with_capacity(len + 8);
-    while v.len() < len {
-        x ^= x << 13;
-        x ^= x >> 7;
-        x ^= x << 17;
-        v.extend_from_slice(&x.to_le_bytes());
-    }
-    v.truncate(len);
-    v
+    kvwire_testkit::pattern::bytes(seed, 0, len)
 }
 
 fn read(buf: &RegisteredBuffer, off: usize, len: usize) -> R<Vec<u8>> {

@@ -9,6 +9,7 @@ use std::process::{Child, ChildStdin, ChildStdout, Command, Stdio};
 use std::sync::Arc;
 use std::time::Duration;
 
+use kvwire_testkit::pattern;
 use kvwire_transfer::layer::{
     synthetic_block_tables, BlockLists, HostFlag, HostStager, Immediate, KvLayout, KvOrder,
     KvPlacement, LayerError, LayerStream, SrcSpace, StagingPool, StreamOptions,
@@ -24,11 +25,6 @@ fn fnv(data: &[u8]) -> u64 {
         h = h.wrapping_mul(0x0000_0100_0000_01b3);
     }
     h
-}
-
-fn pat(off: u64, seed: u64) -> u8 {
-    let x = (off ^ seed.rotate_left(17)).wrapping_mul(0x9E37_79B9_7F4A_7C15);
-    (x >> 56) as u8
 }
 
 fn transport_name(t: TransportKind) -> &'static str {
@@ -213,7 +209,7 @@ impl Setup {
     }
 
     fn fill_src(&self, seed: u64) -> Vec<u8> {
-        let img: Vec<u8> = (0..self.len).map(|o| pat(o, seed)).collect();
+        let img = pattern::bytes(seed, 0, self.len as usize);
         self.engine.local_write(self.src, 0, &img).unwrap();
         img
     }
@@ -844,7 +840,7 @@ fn cuda_device_kv_streams_layers() {
     for transport in [TransportKind::Tcp, TransportKind::Shm] {
         let (layers, nb, bb) = (8usize, 64u32, 16 * 1024u64);
         let mut st = Setup::new(transport, layers, nb, bb);
-        let img: Vec<u8> = (0..st.len).map(|o| pat(o, 77)).collect();
+        let img = pattern::bytes(77, 0, st.len as usize);
         let per_layer = 2 * u64::from(nb) * bb;
         let compute = ctx.new_stream().unwrap();
         let stager = CudaStager::new(&st.engine, ctx.clone(), 3, 96 * 1024).unwrap();

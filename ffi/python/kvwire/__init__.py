@@ -9,42 +9,31 @@
 * :mod:`kvwire.vllm` — ``KvwireConnector``, a vLLM v1 KV connector (load it with
   ``kv_connector_module_path="kvwire.vllm"``).
 
-Errors are raised as subclasses of :class:`KvwireError`. Blocking calls release the GIL.
+Errors are raised as subclasses of :class:`KvwireError` (:mod:`kvwire.errors`), each also a
+subclass of the builtin of the same meaning where there is one (``kvwire.TimeoutError`` is a
+``TimeoutError``, ``kvwire.PeerDeadError`` a ``ConnectionError``...). Blocking calls release the
+GIL.
 """
 
+from kvwire import errors as _errors
 from kvwire._kvwire import (  # noqa: F401
-    AbortedError,
-    AccessDeniedError,
-    AuthError,
     Batch,
     BatchStats,
-    ConnectorError,
-    CudaError,
     CudaSource,
     CudaStager,
     Engine,
-    InvalidArgumentError,
-    IoError,
-    KvwireError,
     LayerStats,
     LayerStream,
-    LayerStreamError,
     Notification,
-    OutOfBoundsError,
     Peer,
-    PeerDeadError,
-    ProtocolError,
     Region,
     RemoteRegion,
-    ShutdownError,
-    StaleRegionError,
     StreamStats,
-    TimeoutError,
-    UnknownRegionError,
-    UnsupportedError,
-    VersionMismatchError,
     __version__,
 )
+
+# The exception classes (kvwire.KvwireError and its subclasses), from their one table.
+from kvwire.errors import *  # noqa: E402,F401,F403
 
 
 def register_tensor(engine, tensor, access="rw"):
@@ -59,7 +48,7 @@ def register_tensor(engine, tensor, access="rw"):
       Raises :class:`UnsupportedError` where there is no CUDA driver.
     """
     if hasattr(tensor, "is_contiguous") and not tensor.is_contiguous():
-        raise InvalidArgumentError("tensor must be contiguous")
+        raise _errors.InvalidArgumentError("tensor must be contiguous")
     nbytes = tensor.numel() * tensor.element_size()
     device = getattr(tensor, "device", None)
     kind = getattr(device, "type", None if device is None else str(device))
@@ -68,13 +57,13 @@ def register_tensor(engine, tensor, access="rw"):
         if isinstance(engine, CudaStager):
             stager = engine
             if stager.device != index:
-                raise InvalidArgumentError(
+                raise _errors.InvalidArgumentError(
                     f"tensor is on cuda:{index} but the stager on cuda:{stager.device}")
         else:
             stager = CudaStager(engine, device=index)
         return stager.register(tensor.data_ptr(), nbytes, keepalive=tensor)
     if kind is not None and kind != "cpu":
-        raise UnsupportedError(
+        raise _errors.UnsupportedError(
             f"only CPU and CUDA tensors can be registered, got device {device}")
     if isinstance(engine, CudaStager):
         engine = engine.engine
@@ -82,35 +71,18 @@ def register_tensor(engine, tensor, access="rw"):
 
 
 __all__ = [
-    "AbortedError",
-    "AccessDeniedError",
-    "AuthError",
     "Batch",
     "BatchStats",
-    "ConnectorError",
-    "CudaError",
     "CudaSource",
     "CudaStager",
     "Engine",
-    "InvalidArgumentError",
-    "IoError",
-    "KvwireError",
     "LayerStats",
     "LayerStream",
-    "LayerStreamError",
     "Notification",
-    "OutOfBoundsError",
     "Peer",
-    "PeerDeadError",
-    "ProtocolError",
     "Region",
     "RemoteRegion",
-    "ShutdownError",
-    "StaleRegionError",
     "StreamStats",
-    "TimeoutError",
-    "UnknownRegionError",
-    "UnsupportedError",
-    "VersionMismatchError",
     "register_tensor",
+    *_errors.__all__,
 ]

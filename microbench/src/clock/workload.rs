@@ -2,8 +2,8 @@
 //! trace statistics), fixed prompt lengths, local (kv_both) requests next to the P/D ones, and
 //! trace files ([`super::trace`]).
 
-use kvwire_connector::sim::rng::Rng;
 use kvwire_connector::{Nanos, SEC};
+use kvwire_testkit::rng::Rng;
 
 pub use super::trace::{parse_trace, read_trace, TraceError, MAX_TRACE_TOKENS};
 

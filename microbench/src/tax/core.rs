@@ -10,7 +10,7 @@
 use std::hint::black_box;
 use std::time::Instant;
 
-use kvwire_connector::steploop::{DStepLoop, PStepLoop};
+use kvwire_testkit::steploop::{DStepLoop, PStepLoop};
 use serde::Serialize;
 
 /// One configuration's per-step cost.

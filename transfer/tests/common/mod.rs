@@ -1,4 +1,4 @@
-//! Shared test helpers: byte patterns and a target engine running in a child process
+//! Shared test helpers: byte patterns (from `kvwire-testkit`) and a target engine running in a child process
 //! (the test binary re-executed with `KVWIRE_TEST_CHILD=1`, driven over stdin/stdout); races
 //! against `unregister` ([`race`]) and a hand-written tcp peer ([`raw_peer`]).
 #![allow(dead_code)]
@@ -14,38 +14,10 @@ use std::time::Duration;
 
 use kvwire_transfer::{Access, Engine, EngineConfig, Op, RegionHandle, RegionId};
 
-fn splitmix(mut z: u64) -> u64 {
-    z = z.wrapping_add(0x9E37_79B9_7F4A_7C15);
-    z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
-    z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
-    z ^ (z >> 31)
-}
-
-/// The pattern byte at absolute position `pos` for `seed` (position-dependent, so any sub-range
-/// can be checked on its own).
-pub fn pattern_at(seed: u64, pos: u64) -> u8 {
-    (splitmix(seed.wrapping_mul(0x1000_0000_01B3) ^ (pos / 8)) >> ((pos % 8) * 8)) as u8
-}
-
-/// `len` pattern bytes starting at absolute position `start`.
-pub fn pattern(seed: u64, start: u64, len: usize) -> Vec<u8> {
-    let mut v = Vec::with_capacity(len);
-    let mut pos = start;
-    while v.len() < len {
-        let w = splitmix(seed.wrapping_mul(0x1000_0000_01B3) ^ (pos / 8)).to_le_bytes();
-        let first = (pos % 8) as usize;
-        let take = (8 - first).min(len - v.len());
-        v.extend_from_slice(&w[first..first + take]);
-        pos += take as u64;
-    }
-    v
-}
-
-/// First mismatch of `data` against the pattern, if any.
-pub fn mismatch(seed: u64, start: u64, data: &[u8]) -> Option<usize> {
-    let want = pattern(seed, start, data.len());
-    data.iter().zip(want.iter()).position(|(a, b)| a != b)
-}
+/// The seeded byte pattern every test writes and checks: `pattern(seed, start, len)` is `len`
+/// bytes of the stream `seed` from byte `start`; `mismatch(seed, start, data)` the first byte of
+/// `data` that differs from it.
+pub use kvwire_testkit::pattern::{bytes as pattern, mismatch};
 
 /// `len` bytes at `off` of `local` to or from the same offset of `remote`.
 pub fn op_at(local: RegionHandle, remote: RegionId, off: u64, len: u64) -> Op {

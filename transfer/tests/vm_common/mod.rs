@@ -50,17 +50,8 @@ pub fn run_in_vm(name: &str, ok_marker: &str) -> Vm {
     Vm::Passed
 }
 
-/// `len` bytes of a seeded xorshift pattern (the data the VM tests write and read back).
+/// `len` bytes of the seeded pattern (the data the VM tests write and read back).
 #[allow(dead_code)] // not every VM test moves data
 pub fn pattern(seed: u64, len: usize) -> Vec<u8> {
-    let mut x = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
-    let mut v = Vec::with_capacity(len + 8);
-    while v.len() < len {
-        x ^= x << 13;
-        x ^= x >> 7;
-        x ^= x << 17;
-        v.extend_from_slice(&x.to_le_bytes());
-    }
-    v.truncate(len);
-    v
+    kvwire_testkit::pattern::bytes(seed, 0, len)
 }

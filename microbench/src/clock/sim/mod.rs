@@ -22,7 +22,7 @@ use std::collections::VecDeque;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use kvwire_connector::sim::queue::EventQueue;
+use kvwire_testkit::queue::EventQueue;
 use kvwire_connector::{
     DConfig, DEvent, DSide, Nanos, PConfig, PEvent, PSide, PeerId, Policy, RequestId, SendMode,
     TimelineRecord, SEC,

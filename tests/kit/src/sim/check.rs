@@ -1,8 +1,8 @@
 //! Invariant checker for the simulator: fed every block operation and every request end as it
 //! happens, it records each violation (O(1) per block touched, nothing per step beyond that).
 
-use crate::peers::LayerSet;
-use crate::types::{BlockId, IdMap, RequestId};
+use kvwire_connector::types::IdMap;
+use kvwire_connector::{BlockId, RequestId};
 use std::fmt;
 
 /// What a block of a checked pool is used for.
@@ -121,13 +121,39 @@ fn decode(v: u64) -> BlockUse {
     }
 }
 
+/// The layers of one request that landed on D.
+#[derive(Debug)]
+struct Landed {
+    seen: Vec<bool>,
+    count: u16,
+}
+
+impl Landed {
+    fn new(layers: u16) -> Self {
+        Landed {
+            seen: vec![false; usize::from(layers)],
+            count: 0,
+        }
+    }
+
+    /// Counts `layer` once (an out-of-range layer is not counted).
+    fn insert(&mut self, layer: u16) {
+        if let Some(s) = self.seen.get_mut(usize::from(layer)) {
+            if !*s {
+                *s = true;
+                self.count += 1;
+            }
+        }
+    }
+}
+
 /// The checker. Pools are numbered by the caller (the simulator uses 0 for D, 1.. for P's).
 /// Block states are kept as plain integers so the per-block checks stay cheap in debug builds.
 #[derive(Debug, Default)]
 pub struct Checker {
     pools: Vec<Vec<u64>>,
     held: Vec<usize>,
-    landed: IdMap<RequestId, LayerSet>,
+    landed: IdMap<RequestId, Landed>,
     started: IdMap<(Role, RequestId), bool>,
     violations: Vec<Violation>,
 }
@@ -273,14 +299,14 @@ impl Checker {
         if count_layer {
             self.landed
                 .entry(req)
-                .or_insert_with(|| LayerSet::new(layers))
+                .or_insert_with(|| Landed::new(layers))
                 .insert(layer);
         }
     }
 
     /// D reported `req` finished: every layer must have landed.
     pub fn report_finished(&mut self, req: RequestId, layers: u16) {
-        let landed = self.landed.get(&req).map_or(0, |s| s.count());
+        let landed = self.landed.get(&req).map_or(0, |s| s.count);
         if landed != layers {
             self.violations.push(Violation::FinishedEarly {
                 req,

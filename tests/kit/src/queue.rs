@@ -1,8 +1,8 @@
-//! A time-ordered event queue for discrete-event step loops (the simulator here, the clock
+//! A time-ordered event queue for discrete-event step loops (the simulator, the clock
 //! microbench): the earliest event pops first; events due at the same time pop in the order
 //! they were pushed, so a run is reproducible.
 
-use crate::types::Nanos;
+use kvwire_connector::Nanos;
 use std::cmp::Ordering;
 use std::collections::BinaryHeap;
 
