@@ -19,7 +19,8 @@
 //! * `ctrl`: control messages (encode, decode, reading one from a stream);
 //! * `error_payload`: errors carried in `Error` frames and `Reject` messages;
 //! * `rw`: the little-endian reader and writer every decoder uses;
-//! * `fence`: the engine's own control messages (fences), inside `CtrlMsg::Transport`;
+//! * `fence`: the engine's own control messages (fences, their answers and refusals,
+//!   heartbeats), inside `CtrlMsg::Transport`;
 //! * `rdma`: the RDMA handshake blob and the RDMA control messages (reconnection, keys);
 //! * `shm`: the shared-memory handshake blob (the memory-access probe).
 
@@ -43,10 +44,11 @@ pub use problem::{Field, LaneSide, Layout, ProtocolError, Stage};
 // The codec's entry points and header layouts are public for the tests only (fuzzing the
 // decoders, raw peers that speak the protocol by hand); the engine is their one real user.
 #[doc(hidden)]
-pub use ctrl::read_ctrl;
+pub use ctrl::{read_ctrl, read_ctrl_limited, Expect, ANY};
 #[doc(hidden)]
 pub use error_payload::{decode_error, encode_error};
 #[doc(hidden)]
 pub use msg::{
-    FrameHeader, CTRL_HEADER_LEN, CTRL_MAGIC, FLAG_TRACKED, FRAME_HEADER_LEN, FRAME_MAGIC,
+    body, kind, FrameHeader, CTRL_HEADER_LEN, CTRL_MAGIC, FLAG_TRACKED, FRAME_HEADER_LEN,
+    FRAME_MAGIC,
 };
