@@ -52,3 +52,20 @@ pub use msg::{
     body, kind, FrameHeader, CTRL_HEADER_LEN, CTRL_MAGIC, FLAG_TRACKED, FRAME_HEADER_LEN,
     FRAME_MAGIC,
 };
+
+/// Runs the second-stage decoders of `CtrlMsg::Transport` payloads and of handshake blobs on
+/// `data` (engine messages, RDMA control messages for `lanes` lanes and `devs` devices, the
+/// RDMA and shm handshake blobs): for fuzzing; returns how many accepted it.
+#[doc(hidden)]
+pub fn decode_second_stage(data: &[u8], lanes: usize, devs: usize) -> usize {
+    let engine = fence::EngineMsg::decode(data)
+        .map(|m| {
+            // What decodes encodes back to the same bytes.
+            assert_eq!(m.encode(), data, "engine message round trip");
+        })
+        .is_ok();
+    let rdma_msg = rdma::RdmaMsg::decode(data, lanes, devs).is_ok();
+    let blob = rdma::parse_blob(data).is_ok();
+    let probe = shm::decode_probe(data).is_some();
+    [engine, rdma_msg, blob, probe].iter().filter(|x| **x).count()
+}
