@@ -8,7 +8,9 @@ use kvwire_transfer::wire::{self, CtrlMsg, FrameHeader, FrameKind, HostIdentity,
 use kvwire_transfer::{Access, Error, RegionId};
 
 fn main() -> std::io::Result<()> {
-    let dir = std::env::args().nth(1).unwrap_or_else(|| "fuzz-seeds".into());
+    let dir = std::env::args()
+        .nth(1)
+        .unwrap_or_else(|| "fuzz-seeds".into());
     let dir = Path::new(&dir);
     let share = KeyShare::from_bytes([3; 32]);
     let region = WireRegion {
@@ -85,7 +87,12 @@ fn main() -> std::io::Result<()> {
         },
     ];
     let ctrl: Vec<Vec<u8>> = msgs.iter().map(|m| m.encode()).collect();
-    for t in ["ctrl_decode", "ctrl_read_limited", "responder_handshake", "initiator_handshake"] {
+    for t in [
+        "ctrl_decode",
+        "ctrl_read_limited",
+        "responder_handshake",
+        "initiator_handshake",
+    ] {
         write(dir, t, &ctrl)?;
     }
     let frames: Vec<Vec<u8>> = [FrameKind::Write, FrameKind::Ack, FrameKind::Notify]

@@ -12,6 +12,7 @@
 use std::collections::{HashSet, VecDeque};
 use std::io::Write;
 use std::net::TcpStream;
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use parking_lot::{Condvar, Mutex};
@@ -37,6 +38,8 @@ pub(crate) struct CtrlWriter {
     q: Mutex<Queue>,
     cv: Condvar,
     cap: usize,
+    /// The connection it writes (shut down when the queue overflows, to wake the thread).
+    stream: Mutex<Option<Arc<TcpStream>>>,
     /// Batches whose notification went out and whose delivery the target has not confirmed.
     awaiting: Mutex<HashSet<u64>>,
 }
@@ -51,8 +54,19 @@ impl CtrlWriter {
             q: Mutex::new(Queue::default()),
             cv: Condvar::new(),
             cap,
+            stream: Mutex::new(None),
             awaiting: Mutex::new(HashSet::new()),
         }
+    }
+
+    /// The connection to write (a clone of the one the reader reads).
+    pub fn attach(&self, s: TcpStream) {
+        *self.stream.lock() = Some(Arc::new(s));
+    }
+
+    /// Why the writer failed the peer, if it did (a full queue, a write that did not end).
+    pub fn failure(&self) -> Option<Error> {
+        self.q.lock().failed.as_ref().map(Error::duplicate)
     }
 
     pub fn send(&self, m: &CtrlMsg) -> Result<(), Error> {
@@ -79,6 +93,11 @@ impl CtrlWriter {
             q.failed = Some(e.duplicate());
             drop(q);
             self.cv.notify_all();
+            // The thread may be inside a write that the peer does not read: end it (and the
+            // reader's read) now.
+            if let Some(s) = self.stream.lock().as_ref() {
+                let _ = s.shutdown(std::net::Shutdown::Both);
+            }
             return Err(e);
         }
         q.bytes += buf.len();
@@ -130,11 +149,17 @@ impl CtrlWriter {
         q.bytes = 0;
         drop(q);
         self.cv.notify_all();
+        // Its socket closes once the thread is done with it.
+        self.stream.lock().take();
     }
 
-    /// The writer thread: writes what is queued to `s` until closed; a write that does not end
-    /// within `idle`, a write error or a full queue ends it with `on_dead`.
-    pub fn run(&self, s: TcpStream, idle: Duration, on_dead: OnCtrlDead) {
+    /// The writer thread: writes what is queued to the attached connection until closed; a
+    /// write that does not end within `idle`, a write error or a full queue ends it with
+    /// `on_dead`.
+    pub fn run(&self, idle: Duration, on_dead: OnCtrlDead) {
+        let Some(s) = self.stream.lock().clone() else {
+            return;
+        };
         let beat = (idle / 3).max(Duration::from_millis(1));
         let ping = EngineMsg::Ping.to_ctrl().encode();
         let mut out: Vec<u8> = Vec::new();
@@ -145,7 +170,7 @@ impl CtrlWriter {
                 let mut q = self.q.lock();
                 let mut last = Instant::now();
                 loop {
-                    if let Some(e) = q.failed.take() {
+                    if let Some(e) = q.failed.as_ref().map(Error::duplicate) {
                         drop(q);
                         on_dead(e);
                         return;
@@ -211,10 +236,9 @@ mod tests {
         ));
         assert!(matches!(w.write_encoded(&[0; 1]), Err(Error::PeerDead(_))));
         let l = std::net::TcpListener::bind("127.0.0.1:0").expect("bind");
-        let s = TcpStream::connect(l.local_addr().expect("addr")).expect("connect");
+        w.attach(TcpStream::connect(l.local_addr().expect("addr")).expect("connect"));
         let (tx, rx) = std::sync::mpsc::channel();
         w.run(
-            s,
             Duration::from_secs(60),
             Box::new(move |e| tx.send(e.to_string()).expect("send")),
         );

@@ -175,7 +175,7 @@ impl Core {
             same_host,
             engine: self.id,
         });
-        let writer = peer.ctrl_stream.try_clone()?;
+        peer.ctrl.attach(peer.ctrl_stream.try_clone()?);
         let reader = peer.ctrl_stream.try_clone()?;
         let mut welcome = hs.welcome;
         {
@@ -231,7 +231,7 @@ impl Core {
             }
         });
         let spawned = spawn_counted("kvwire-ctrl-tx".into(), &self.threads, move || {
-            p2.ctrl.run(writer, idle, failed)
+            p2.ctrl.run(idle, failed)
         })
         .and_then(|_| {
             let (wc, p3) = (Arc::downgrade(self), peer.clone());

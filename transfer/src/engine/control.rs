@@ -59,6 +59,8 @@ pub(super) fn ctrl_loop(core: Weak<Core>, p: Arc<PeerInner>, mut s: TcpStream) {
             break Some(e);
         }
     };
+    // The writer may have failed the peer first (a full queue shuts the connection down).
+    let failure = failure.or_else(|| p.ctrl.failure());
     if let Some(c) = core.upgrade() {
         match failure {
             Some(e) if !c.shut.load(Ordering::Acquire) => c.peer_failed(p.id, &e),

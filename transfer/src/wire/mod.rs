@@ -67,5 +67,8 @@ pub fn decode_second_stage(data: &[u8], lanes: usize, devs: usize) -> usize {
     let rdma_msg = rdma::RdmaMsg::decode(data, lanes, devs).is_ok();
     let blob = rdma::parse_blob(data).is_ok();
     let probe = shm::decode_probe(data).is_some();
-    [engine, rdma_msg, blob, probe].iter().filter(|x| **x).count()
+    [engine, rdma_msg, blob, probe]
+        .iter()
+        .filter(|x| **x)
+        .count()
 }
