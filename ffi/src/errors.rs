@@ -78,6 +78,18 @@ create_exception!(
 create_exception!(kvwire, UnsupportedError, KvwireError, "Not available here.");
 create_exception!(
     kvwire,
+    ResourceLimitError,
+    KvwireError,
+    "A bound of the engine's limits was reached (handshakes, peers, lanes, notification bytes...)."
+);
+create_exception!(
+    kvwire,
+    FencedError,
+    KvwireError,
+    "The peer engine is fenced (Engine.fence): its connections are refused."
+);
+create_exception!(
+    kvwire,
     ConnectorError,
     KvwireError,
     "The P/D connector core refused an event."
@@ -119,6 +131,8 @@ pub fn to_py(e: Error) -> PyErr {
         Error::Shutdown => ShutdownError::new_err(msg),
         Error::InvalidArgument(_) => InvalidArgumentError::new_err(msg),
         Error::Unsupported(_) => UnsupportedError::new_err(msg),
+        Error::ResourceLimit { .. } => ResourceLimitError::new_err(msg),
+        Error::Fenced { .. } => FencedError::new_err(msg),
         _ => KvwireError::new_err(msg),
     }
 }
@@ -185,6 +199,8 @@ pub fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
         py.get_type::<InvalidArgumentError>(),
     )?;
     m.add("UnsupportedError", py.get_type::<UnsupportedError>())?;
+    m.add("ResourceLimitError", py.get_type::<ResourceLimitError>())?;
+    m.add("FencedError", py.get_type::<FencedError>())?;
     m.add("ConnectorError", py.get_type::<ConnectorError>())?;
     m.add("AbortedError", py.get_type::<AbortedError>())?;
     m.add("LayerStreamError", py.get_type::<LayerStreamError>())?;
