@@ -220,7 +220,9 @@ pub fn random<const N: usize>() -> [u8; N] {
     b
 }
 
-/// A new random secret for [`crate::EngineConfig::secret`], as 64 hex digits (256 bits).
+/// A new random secret for [`crate::EngineConfig::secret`]: 256 bits from the operating
+/// system's random source, as 64 hex digits (`kvwire-bench secret` prints one). Give every
+/// engine of a deployment the same one, and keep it as secret as a private key.
 pub fn new_secret() -> String {
     random::<32>().iter().map(|b| format!("{b:02x}")).collect()
 }

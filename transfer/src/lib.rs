@@ -100,6 +100,7 @@ mod types;
 pub use kvwire_verbs as verbs;
 pub mod wire;
 
+pub use auth::new_secret;
 pub use batch::Batch;
 pub use config::EngineConfig;
 pub use engine::{Descriptor, Engine, Peer};
