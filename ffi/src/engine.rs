@@ -502,6 +502,21 @@ impl PyEngine {
         Ok(PyPeer { peer })
     }
 
+    /// Fences the peer engine listening at `"host:port"` (as it announced itself): closes every
+    /// connection between it and this engine, refuses its handshakes and lane joins from then
+    /// on (`FencedError`), and returns once none of its copies into this engine's memory is
+    /// still running (GIL released). See `kvwire_transfer::Engine::fence`.
+    fn fence(&self, py: Python<'_>, addr: &str) -> PyResult<()> {
+        let a = parse_addr(addr)?;
+        py.detach(|| self.engine.fence(a)).map_err(to_py)
+    }
+
+    /// Lifts the fence of `"host:port"` (a new incarnation of the peer is accepted again);
+    /// returns whether it was fenced.
+    fn unfence(&self, addr: &str) -> PyResult<bool> {
+        Ok(self.engine.unfence(parse_addr(addr)?))
+    }
+
     /// Every connected peer (inbound ones included).
     fn peers(&self) -> Vec<PyPeer> {
         self.engine

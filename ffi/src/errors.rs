@@ -32,6 +32,8 @@ from_errors_module!(
     ShutdownError,
     InvalidArgumentError,
     UnsupportedError,
+    ResourceLimitError,
+    FencedError,
     ConnectorError,
     AbortedError,
     LayerStreamError,
@@ -55,6 +57,8 @@ pub fn to_py(e: Error) -> PyErr {
         Error::Shutdown => ShutdownError::new_err(msg),
         Error::InvalidArgument(_) => InvalidArgumentError::new_err(msg),
         Error::Unsupported(_) => UnsupportedError::new_err(msg),
+        Error::ResourceLimit { .. } => ResourceLimitError::new_err(msg),
+        Error::Fenced { .. } => FencedError::new_err(msg),
         _ => KvwireError::new_err(msg),
     }
 }

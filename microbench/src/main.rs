@@ -50,6 +50,9 @@ enum Cmd {
     /// engine CPU, and in vLLM (when a venv is found) the scheduler and worker sides per
     /// connector, each figure next to its baseline.
     Tax(tax::TaxArgs),
+    /// Print a new random shared secret (256 bits, 64 hex digits) for `--secret` and
+    /// `EngineConfig::secret`: `SECRET=$(kvwire-bench secret)`.
+    Secret,
 }
 
 #[derive(Clone, Copy, ValueEnum)]
@@ -158,6 +161,10 @@ fn main() -> ExitCode {
         Cmd::Clock(a) => Ok(kvwire_bench::clock::cli_main(&a)),
         Cmd::Report(a) => Ok(kvwire_bench::suite::run(&a)),
         Cmd::Tax(a) => Ok(tax::run(&a)),
+        Cmd::Secret => {
+            println!("{}", kvwire_transfer::new_secret());
+            Ok(ExitCode::SUCCESS)
+        }
     };
     match result {
         Ok(code) => code,

@@ -26,6 +26,7 @@ def test_exception_hierarchy():
         "IoError", "ProtocolError", "VersionMismatchError", "AuthError", "OutOfBoundsError",
         "UnknownRegionError", "StaleRegionError", "AccessDeniedError", "PeerDeadError",
         "TimeoutError", "ShutdownError", "InvalidArgumentError", "UnsupportedError", "ConnectorError",
+        "ResourceLimitError", "FencedError",
     ]:
         cls = getattr(kvwire, name)
         assert issubclass(cls, kvwire.KvwireError), name
@@ -205,6 +206,24 @@ def test_wrong_secret_is_auth_error(engine_peer):
         e.connect(peer.call("addr"))
     ok = kvwire.Engine(secret=b"right")
     ok.connect(peer.call("addr"))
+
+
+def test_fence_refuses_a_peer_until_unfenced():
+    t = kvwire.Engine(transport="tcp")
+    dst = t.alloc(MiB, "wo")
+    p = kvwire.Engine(transport="tcp")
+    src = p.alloc(MiB, "local")
+    p.local_write(src, 0, b"x" * 4096)
+    peer = p.connect(t.listen_addr)
+    p.write(peer, [(src, 0, dst, 0, 4096)]).wait(30.0)
+    t.fence(p.listen_addr)
+    assert len(t.peers()) == 0
+    with pytest.raises(kvwire.FencedError):
+        p.connect(t.listen_addr)
+    assert t.unfence(p.listen_addr)
+    assert not t.unfence(p.listen_addr)
+    peer = p.connect(t.listen_addr)
+    p.write(peer, [(src, 0, dst, 0, 4096)]).wait(30.0)
 
 
 def test_dead_peer(engine_peer):

@@ -419,11 +419,9 @@ pub(crate) struct Timer {
 }
 
 impl Timer {
-    pub fn start(self: &Arc<Self>) -> std::io::Result<()> {
+    pub fn start(self: &Arc<Self>, threads: &crate::net::Threads) -> std::io::Result<()> {
         let t = self.clone();
-        std::thread::Builder::new()
-            .name("kvwire-timer".into())
-            .spawn(move || t.run())?;
+        crate::net::spawn_counted("kvwire-timer".into(), threads, move || t.run())?;
         Ok(())
     }
 

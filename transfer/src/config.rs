@@ -4,6 +4,7 @@
 use std::net::SocketAddr;
 use std::time::Duration;
 
+use crate::limits::Limits;
 use crate::types::TransportKind;
 
 /// Environment variable of [`EngineConfig::wait_spin`] (µs).
@@ -40,7 +41,7 @@ pub struct EngineConfig {
     pub slice_size: usize,
     /// Deadline for batches submitted with `None`.
     pub default_deadline: Duration,
-    /// Deadline for connecting and the handshake.
+    /// Deadline for connecting and the whole handshake (or lane join) this engine initiates.
     pub connect_timeout: Duration,
     /// RDMA device to use (e.g. `mlx5_0`, `rxe0`; a comma list names several). Ignored when
     /// [`EngineConfig::rdma_devices`] is not empty; `None` (or a blank list) =
@@ -101,6 +102,9 @@ pub struct EngineConfig {
     /// Path or soname of libibverbs, loaded at run time. `None` (or empty) =
     /// `libibverbs.so.1`. Environment: `KVWIRE_IBVERBS_PATH`.
     pub ibverbs_path: Option<String>,
+    /// Bounds on what peers may make this engine hold (handshakes, peers, lanes, notification
+    /// and region-table bytes, control queues, idle time, metrics connections).
+    pub limits: Limits,
 }
 
 impl Default for EngineConfig {
@@ -123,6 +127,7 @@ impl Default for EngineConfig {
             rdma_signal_every: None,
             rdma_poll: None,
             ibverbs_path: None,
+            limits: Limits::default(),
         }
     }
 }

@@ -1,5 +1,8 @@
 //! The engine's error type.
 
+use std::net::SocketAddr;
+
+use crate::limits::Resource;
 use crate::types::RegionId;
 use crate::wire::problem::ProtocolError;
 
@@ -60,6 +63,22 @@ pub enum Error {
     /// The requested feature is not available here (e.g. shm to another host).
     #[error("unsupported: {0}")]
     Unsupported(String),
+    /// A bound of [`crate::Limits`] was reached (on this engine or, in a `Reject` or an error
+    /// frame, on the peer's): too many handshakes, peers, lanes, pending notification bytes...
+    #[error("resource limit: {resource} (limit {limit})")]
+    ResourceLimit {
+        /// What ran out.
+        resource: Resource,
+        /// The bound (0 when the peer did not say).
+        limit: u64,
+    },
+    /// The peer engine listening at `addr` is fenced ([`crate::Engine::fence`]): its
+    /// connections were closed and its handshakes and lane joins are refused.
+    #[error("peer {addr} is fenced")]
+    Fenced {
+        /// The peer's listen address.
+        addr: SocketAddr,
+    },
 }
 
 // Typing protocol errors did not make every `Result` carrying an `Error` larger.
@@ -96,6 +115,11 @@ impl Error {
             Error::Shutdown => Error::Shutdown,
             Error::InvalidArgument(s) => Error::InvalidArgument(s.clone()),
             Error::Unsupported(s) => Error::Unsupported(s.clone()),
+            Error::ResourceLimit { resource, limit } => Error::ResourceLimit {
+                resource: *resource,
+                limit: *limit,
+            },
+            Error::Fenced { addr } => Error::Fenced { addr: *addr },
         }
     }
 }

@@ -5,8 +5,9 @@
 //! still form no cycle (`error.rs` uses only `wire/problem.rs`, which uses only `wire/msg.rs`
 //! and `types`).
 //! * `types`: the plain vocabulary ([`Op`], [`RegionId`], [`Access`], [`TransportKind`], ...);
+//! * `limits`: [`Limits`] (what peers may make the engine hold) and [`Resource`];
 //! * `config`: [`EngineConfig`], the only reader of the environment;
-//! * `auth`: random values and the HMAC proofs of the handshake;
+//! * `auth`: random values, the handshake's key schedule and proofs (X25519, HKDF, HMAC);
 //! * `wire`: every byte layout on the wire, and [`wire::ProtocolError`];
 //! * `error`: [`Error`];
 //! * `host`: this engine's [`HostIdentity`];
@@ -67,7 +68,9 @@
 
 #![deny(unsafe_code)]
 
-mod auth;
+// Public for the tests' hand-written peers (the handshake's key schedule); not an API.
+#[doc(hidden)]
+pub mod auth;
 mod batch;
 // Public for the tests of coalescing only; callers never need it (`Engine::write` coalesces).
 #[doc(hidden)]
@@ -79,22 +82,30 @@ mod ctrl;
 pub mod cuda;
 mod engine;
 mod error;
+mod gate;
 mod host;
 pub mod layer;
+mod limits;
 #[allow(unsafe_code)]
 mod mem;
 pub mod metrics;
+mod net;
 mod notify;
 mod region;
+// Public for the fuzz targets (the handshake's exchanges over bytes); not an API.
+#[doc(hidden)]
+pub mod session;
 mod transport;
 mod types;
 pub use kvwire_verbs as verbs;
 pub mod wire;
 
+pub use auth::new_secret;
 pub use batch::Batch;
 pub use config::EngineConfig;
 pub use engine::{Descriptor, Engine, Peer};
 pub use error::Error;
+pub use limits::{Limits, Resource};
 pub use metrics::MetricsSnapshot;
 pub use notify::{Notification, Notifications};
 pub use types::{

@@ -3,6 +3,7 @@
 use std::collections::VecDeque;
 use std::future::Future;
 use std::pin::Pin;
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::task::{Context, Poll, Waker};
 use std::time::{Duration, Instant};
@@ -10,7 +11,62 @@ use std::time::{Duration, Instant};
 use parking_lot::{Condvar, Mutex};
 
 use crate::error::Error;
+use crate::limits::Resource;
+use crate::net::LogLimiter;
 use crate::types::PeerId;
+
+/// Bytes a pending notification is counted with besides its tag.
+pub(crate) const NOTIFY_OVERHEAD: usize = 64;
+
+/// One peer's budget of pending notification bytes (`Limits::peer_notify_bytes`).
+pub(crate) struct Budget {
+    used: AtomicUsize,
+    cap: usize,
+}
+
+/// Bytes taken from a [`Budget`], given back when dropped.
+pub(crate) struct Charge {
+    b: Arc<Budget>,
+    n: usize,
+}
+
+impl Drop for Charge {
+    fn drop(&mut self) {
+        self.b.used.fetch_sub(self.n, Ordering::AcqRel);
+    }
+}
+
+impl Budget {
+    pub fn new(cap: usize) -> Arc<Budget> {
+        Arc::new(Budget {
+            used: AtomicUsize::new(0),
+            cap,
+        })
+    }
+
+    /// Takes `n` bytes; `Error::ResourceLimit` when that would exceed the budget.
+    pub fn charge(self: &Arc<Self>, n: usize) -> Result<Charge, Error> {
+        self.used
+            .fetch_update(Ordering::AcqRel, Ordering::Acquire, |u| {
+                u.checked_add(n).filter(|t| *t <= self.cap)
+            })
+            .map_err(|_| Error::ResourceLimit {
+                resource: Resource::NotifyBytes,
+                limit: self.cap as u64,
+            })?;
+        Ok(Charge { b: self.clone(), n })
+    }
+
+    /// Bytes taken now.
+    pub fn used(&self) -> usize {
+        self.used.load(Ordering::Acquire)
+    }
+
+    /// The budget.
+    pub fn cap(&self) -> usize {
+        self.cap
+    }
+}
 
 /// A notification: the tag a peer attached to a batch, delivered after all its bytes landed.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -24,9 +80,15 @@ pub struct Notification {
 /// Queue bound: beyond this many undelivered notifications, new ones are dropped (and counted).
 pub(crate) const MAX_QUEUED: usize = 1 << 20;
 
+/// A queued notification and the bytes it holds of its peer's budget.
+struct Queued {
+    n: Notification,
+    _charge: Option<Charge>,
+}
+
 #[derive(Default)]
 struct QState {
-    q: VecDeque<Notification>,
+    q: VecDeque<Queued>,
     wakers: Vec<Waker>,
     closed: bool,
     dropped: u64,
@@ -40,20 +102,26 @@ pub(crate) struct NotifyQueue {
     pub(crate) delivered: std::sync::atomic::AtomicU64,
     pub(crate) dropped: std::sync::atomic::AtomicU64,
     pub(crate) suppressed: std::sync::atomic::AtomicU64,
+    /// Notifications refused because their peer's budget was spent.
+    pub(crate) refused: std::sync::atomic::AtomicU64,
+    drop_log: LogLimiter,
 }
 
 impl NotifyQueue {
-    pub fn push(&self, n: Notification) {
+    /// Queues a notification holding `charge` of its peer's budget until it is taken.
+    pub fn push(&self, n: Notification, charge: Option<Charge>) {
         let wakers = {
             let mut s = self.st.lock();
             if s.q.len() >= MAX_QUEUED {
                 s.dropped += 1;
                 self.dropped
                     .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-                tracing::warn!(dropped = s.dropped, "notification queue full; dropping");
+                if let Some(count) = self.drop_log.hit() {
+                    tracing::warn!(count, "notification queue full; dropping");
+                }
                 return;
             }
-            s.q.push_back(n);
+            s.q.push_back(Queued { n, _charge: charge });
             self.delivered
                 .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
             std::mem::take(&mut s.wakers)
@@ -95,21 +163,21 @@ impl Notifications {
         let until = Instant::now() + d;
         let mut s = self.q.st.lock();
         loop {
-            if let Some(n) = s.q.pop_front() {
-                return Ok(n);
+            if let Some(q) = s.q.pop_front() {
+                return Ok(q.n);
             }
             if s.closed {
                 return Err(Error::Shutdown);
             }
             if self.q.cv.wait_until(&mut s, until).timed_out() {
-                return s.q.pop_front().ok_or(Error::Timeout);
+                return s.q.pop_front().map(|q| q.n).ok_or(Error::Timeout);
             }
         }
     }
 
     /// The next notification if one is queued.
     pub fn try_recv(&self) -> Option<Notification> {
-        self.q.st.lock().q.pop_front()
+        self.q.st.lock().q.pop_front().map(|q| q.n)
     }
 
     /// Awaits the next notification (no runtime needed; `Error::Shutdown` after shutdown).
@@ -131,8 +199,8 @@ impl Future for RecvFuture<'_> {
     type Output = Result<Notification, Error>;
     fn poll(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Self::Output> {
         let mut s = self.q.st.lock();
-        if let Some(n) = s.q.pop_front() {
-            return Poll::Ready(Ok(n));
+        if let Some(q) = s.q.pop_front() {
+            return Poll::Ready(Ok(q.n));
         }
         if s.closed {
             return Poll::Ready(Err(Error::Shutdown));

@@ -1,8 +1,11 @@
 //! Property tests of every decoder of network bytes: arbitrary input never panics, and
-//! encode → decode round-trips. Bounded case counts so this runs in seconds.
+//! encode → decode round-trips; the bounded reader refuses from the header alone; the
+//! handshake's pre-authentication exchanges (both sides) over arbitrary bytes never reveal
+//! anything before a valid proof. Bounded case counts so this runs in seconds (the same
+//! decoders run under `cargo fuzz` too: `transfer/fuzz`).
 
 use kvwire_transfer::wire::{self, CtrlMsg, FrameHeader, FrameKind, HostIdentity, WireRegion};
-use kvwire_transfer::{Access, Error, RegionId};
+use kvwire_transfer::{Access, Error, RegionId, Resource};
 use proptest::prelude::*;
 
 fn cfg() -> ProptestConfig {
@@ -74,58 +77,64 @@ fn bytes(max: usize) -> impl Strategy<Value = Vec<u8>> {
     proptest::collection::vec(any::<u8>(), 0..max)
 }
 
+fn blobs() -> impl Strategy<Value = Vec<(u8, Vec<u8>)>> {
+    proptest::collection::vec((any::<u8>(), bytes(64)), 0..4)
+}
+
 fn ctrl_msg() -> impl Strategy<Value = CtrlMsg> {
     let regions = || proptest::collection::vec(region(), 0..8);
     prop_oneof![
+        (any::<[u8; 32]>(), any::<bool>(), any::<[u8; 32]>())
+            .prop_map(|(nonce, auth, dh)| CtrlMsg::Hello { nonce, auth, dh }),
+        (any::<[u8; 32]>(), any::<bool>(), any::<[u8; 32]>()).prop_map(
+            |(nonce, auth_required, dh)| CtrlMsg::Challenge {
+                nonce,
+                auth_required,
+                dh
+            }
+        ),
+        any::<[u8; 32]>().prop_map(|mac| CtrlMsg::Proof { mac }),
         (
-            any::<[u8; 32]>(),
-            any::<bool>(),
+            host(),
+            any::<u8>(),
+            any::<u16>(),
+            blobs(),
+            any::<[u8; 32]>()
+        )
+            .prop_map(|(host, transports, lanes, blobs, mac)| CtrlMsg::Accept {
+                host,
+                transports,
+                lanes,
+                blobs,
+                mac
+            }),
+        (
             host(),
             any::<u16>(),
             any::<u8>(),
-            proptest::collection::vec((any::<u8>(), bytes(64)), 0..4)
+            any::<u16>(),
+            blobs(),
+            regions(),
+            any::<[u8; 32]>()
         )
-            .prop_map(|(nonce, auth, host, listen_port, transports, blobs)| {
-                CtrlMsg::Hello {
-                    nonce,
-                    auth,
+            .prop_map(
+                |(host, listen_port, transports, lanes, blobs, regions, mac)| CtrlMsg::Auth {
                     host,
                     listen_port,
                     transports,
+                    lanes,
                     blobs,
+                    regions,
+                    mac
                 }
-            }),
-        (
-            any::<[u8; 32]>(),
-            bytes(64),
-            any::<bool>(),
-            host(),
-            any::<u8>(),
-            any::<[u8; 16]>()
-        )
-            .prop_map(|(nonce, mac, auth_required, host, transports, token)| {
-                CtrlMsg::HelloReply {
-                    nonce,
-                    mac,
-                    auth_required,
-                    host,
-                    transports,
-                    token,
-                    blobs: vec![],
-                }
-            }),
-        (bytes(64), any::<u8>(), any::<[u8; 16]>(), regions()).prop_map(
-            |(mac, transport, token, regions)| CtrlMsg::Auth {
-                mac,
-                transport,
-                token,
-                regions
-            }
-        ),
-        regions().prop_map(|regions| CtrlMsg::Welcome { regions }),
+            ),
+        (regions(), any::<[u8; 32]>()).prop_map(|(regions, mac)| CtrlMsg::Welcome { regions, mac }),
         bytes(100).prop_map(|error| CtrlMsg::Reject { error }),
-        (any::<[u8; 16]>(), any::<u16>())
-            .prop_map(|(token, lane)| CtrlMsg::LaneJoin { token, lane }),
+        (any::<[u8; 16]>(), any::<u16>(), any::<[u8; 32]>())
+            .prop_map(|(sid, lane, nonce)| CtrlMsg::LaneJoin { sid, lane, nonce }),
+        (any::<[u8; 32]>(), any::<[u8; 32]>())
+            .prop_map(|(nonce, mac)| CtrlMsg::LaneChallenge { nonce, mac }),
+        any::<[u8; 32]>().prop_map(|mac| CtrlMsg::LaneProof { mac }),
         Just(CtrlMsg::LaneOk),
         regions().prop_map(CtrlMsg::RegionsAdded),
         regions().prop_map(CtrlMsg::RegionsSet),
@@ -140,6 +149,15 @@ fn ctrl_msg() -> impl Strategy<Value = CtrlMsg> {
         (any::<u8>(), bytes(64)).prop_map(|(bit, data)| CtrlMsg::Transport { bit, data }),
     ]
 }
+
+/// The responder's first-message expectation (as the engine reads it).
+const FIRST: wire::Expect<'static> = wire::Expect {
+    stage: wire::Stage::FirstMessage,
+    kinds: &[
+        (wire::kind::HELLO, wire::body::HELLO),
+        (wire::kind::LANE_JOIN, wire::body::LANE_JOIN),
+    ],
+};
 
 proptest! {
     #![proptest_config(cfg())]
@@ -168,10 +186,74 @@ proptest! {
     fn ctrl_decoder_never_panics(b in bytes(300)) {
         let _ = CtrlMsg::decode(&b);
         if b.len() > 1 {
-            let _ = CtrlMsg::decode_body(b[0] % 14, &b[1..]);
+            let _ = CtrlMsg::decode_body(b[0] % 19, &b[1..]);
         }
         let mut cur = std::io::Cursor::new(&b);
         let _ = wire::read_ctrl(&mut cur);
+        let mut cur = std::io::Cursor::new(&b);
+        let _ = wire::read_ctrl_limited(&mut cur, FIRST);
+    }
+
+    #[test]
+    fn limited_reads_refuse_from_the_header(k in any::<u8>(), len in any::<u32>()) {
+        // A header alone: anything but an expected kind within its bound is refused before a
+        // byte of the body is read (the reader sees only the 12 header bytes).
+        let mut h = CtrlMsg::LaneOk.encode();
+        h[6] = k;
+        h[8..12].copy_from_slice(&len.to_le_bytes());
+        let fits = [(1u8, 65u32), (6, 50), (5, wire::body::REJECT)]
+            .iter()
+            .any(|(kk, max)| *kk == k && len <= *max);
+        let mut cur = std::io::Cursor::new(&h);
+        match wire::read_ctrl_limited(&mut cur, FIRST) {
+            Err(Error::Protocol(_)) => {}
+            // Only an expected kind within its bound waits for (here: misses) its body.
+            Err(Error::Io(_)) => prop_assert!(fits && len > 0, "read a body it should refuse"),
+            other => prop_assert!(false, "{:?}", other.map(|(m, _)| m)),
+        }
+    }
+
+    #[test]
+    fn responder_never_reveals_anything_before_a_valid_proof(b in bytes(400), secret in any::<bool>()) {
+        let psk: Option<&[u8]> = if secret { Some(b"fuzz-secret") } else { None };
+        let (proved, out) = kvwire_transfer::session::fuzzing::responder(&b, psk);
+        prop_assert!(!proved || !secret, "proved the secret from random bytes");
+        // Whatever we wrote before a proof is a Challenge and/or a Reject, nothing else.
+        let mut cur = std::io::Cursor::new(&out);
+        while (cur.position() as usize) < out.len() {
+            match wire::read_ctrl(&mut cur).expect("our own output decodes") {
+                CtrlMsg::Challenge { .. } | CtrlMsg::Reject { .. } | CtrlMsg::LaneChallenge { .. } => {}
+                m => prop_assert!(false, "sent {:?} before a proof", m),
+            }
+        }
+    }
+
+    #[test]
+    fn responder_survives_mutated_hellos(at in 0usize..77, v in any::<u8>()) {
+        let share = kvwire_transfer::auth::KeyShare::from_bytes([4; 32]);
+        let mut h = CtrlMsg::Hello { nonce: [1; 32], auth: true, dh: share.public }.encode();
+        h[at] = v;
+        let (proved, _) = kvwire_transfer::session::fuzzing::responder(&h, Some(b"k"));
+        prop_assert!(!proved);
+    }
+
+    #[test]
+    fn initiator_never_panics_and_proves_only_to_a_responder_asking(b in bytes(400)) {
+        let out = kvwire_transfer::session::fuzzing::initiator(&b, Some(b"fuzz-secret"));
+        let mut cur = std::io::Cursor::new(&out);
+        let mut sent = Vec::new();
+        while (cur.position() as usize) < out.len() {
+            sent.push(wire::read_ctrl(&mut cur).expect("our own output decodes"));
+        }
+        // A proof only after a Challenge that required one.
+        let mut challenge = None;
+        let mut cur = std::io::Cursor::new(&b);
+        if let Ok(CtrlMsg::Challenge { auth_required, .. }) = wire::read_ctrl(&mut cur) {
+            challenge = Some(auth_required);
+        }
+        if sent.iter().any(|m| matches!(m, CtrlMsg::Proof { .. })) {
+            prop_assert_eq!(challenge, Some(true));
+        }
     }
 
     #[test]
@@ -210,6 +292,35 @@ proptest! {
         for e in [Error::UnknownRegion(region), Error::StaleRegion(region), Error::AccessDenied(region)] {
             let d = wire::decode_error(&wire::encode_error(&e), false).expect("valid");
             prop_assert_eq!(d.to_string(), e.to_string());
+        }
+    }
+
+    #[test]
+    fn new_error_codes_round_trip(limit in any::<u64>(), r in 0usize..9, ip in any::<[u8; 16]>(), v4 in any::<[u8; 4]>(), port in any::<u16>()) {
+        let resources = [
+            Resource::Handshakes, Resource::HandshakesPerAddress, Resource::AuthFailures,
+            Resource::Peers, Resource::Lanes, Resource::NotifyBytes, Resource::RemoteRegions,
+            Resource::CtrlQueue, Resource::MetricsConns,
+        ];
+        let e = Error::ResourceLimit { resource: resources[r], limit };
+        let d = wire::decode_error(&wire::encode_error(&e), true).expect("valid");
+        prop_assert_eq!(d.to_string(), e.to_string());
+        for addr in [
+            std::net::SocketAddr::new(std::net::Ipv6Addr::from(ip).into(), port),
+            std::net::SocketAddr::new(std::net::Ipv4Addr::from(v4).into(), port),
+        ] {
+            // An IPv6 address that is an IPv4-mapped one decodes as that IPv4 address.
+            let want = match addr.ip() {
+                std::net::IpAddr::V6(a) => match a.to_ipv4_mapped() {
+                    Some(v4) => std::net::SocketAddr::new(v4.into(), port),
+                    None => addr,
+                },
+                _ => addr,
+            };
+            match wire::decode_error(&wire::encode_error(&Error::Fenced { addr }), true).expect("valid") {
+                Error::Fenced { addr: got } => prop_assert_eq!(got, want),
+                other => prop_assert!(false, "decoded {:?}", other),
+            }
         }
     }
 }

@@ -10,18 +10,21 @@ use std::time::Duration;
 
 use common::raw_peer::{self, answer, write_header};
 use common::{mismatch, pattern};
-use kvwire_transfer::wire::{
-    self, CtrlMsg, FrameHeader, FrameKind, HostIdentity, FRAME_HEADER_LEN,
-};
+use kvwire_transfer::auth::KeyShare;
+use kvwire_transfer::wire::{self, CtrlMsg, FrameHeader, FrameKind, FRAME_HEADER_LEN};
 use kvwire_transfer::{
-    Access, Engine, EngineConfig, Error, Op, RegionHandle, RegionId, TransportKind,
+    Access, Engine, EngineConfig, Error, Limits, Op, RegionHandle, RegionId, TransportKind,
 };
 
-/// A target whose handshake reads time out after `handshake`.
+/// A target whose handshakes end after `handshake`.
 fn target_with(handshake: Duration) -> Engine {
     Engine::new(EngineConfig {
         transport: TransportKind::Tcp,
         connect_timeout: handshake,
+        limits: Limits {
+            handshake_timeout: handshake,
+            ..Limits::default()
+        },
         ..Default::default()
     })
     .expect("engine")
@@ -111,7 +114,7 @@ fn malformed_handshakes_are_refused_and_the_target_keeps_serving() {
     assert!(closed);
 
     // Wrong version.
-    let mut hello = raw_peer::hello(1, false).encode();
+    let mut hello = raw_peer::hello(1, false, &KeyShare::random()).encode();
     hello[4..6].copy_from_slice(&99u16.to_le_bytes());
     let mut s = raw(addr);
     s.write_all(&hello).expect("send");
@@ -153,12 +156,13 @@ fn malformed_handshakes_are_refused_and_the_target_keeps_serving() {
     assert!(closed);
     quick.shutdown();
 
-    // A lane join with a token nobody issued.
+    // A lane join with a session nobody has.
     let mut s = raw(addr);
     s.write_all(
         &CtrlMsg::LaneJoin {
-            token: [7; 16],
+            sid: [7; 16],
             lane: 0,
+            nonce: [1; 32],
         }
         .encode(),
     )
@@ -369,48 +373,58 @@ fn target_checks_every_write_before_a_byte_lands() {
 
 #[test]
 fn each_side_checks_the_other_sides_proof() {
-    // A fake responder that cannot prove the secret: the initiator refuses before proving its
-    // own (so nothing is learned from it).
-    let fake = std::net::TcpListener::bind("127.0.0.1:0").expect("bind");
-    let fake_addr = fake.local_addr().expect("addr");
-    let server = std::thread::spawn(move || {
-        let (mut s, _) = fake.accept().expect("accept");
-        s.set_read_timeout(Some(Duration::from_secs(10)))
-            .expect("timeout");
-        assert!(matches!(
-            wire::read_ctrl(&mut s),
-            Ok(CtrlMsg::Hello { auth: true, .. })
-        ));
+    // A fake responder that does not require a secret: an initiator that holds one refuses
+    // before proving anything (nothing is learned from it), and sends no proof.
+    let (i_msgs, i_err) = fake_responder(|s, _| {
+        let share = KeyShare::random();
         s.write_all(
-            &CtrlMsg::HelloReply {
+            &CtrlMsg::Challenge {
                 nonce: [5; 32],
-                mac: vec![0xAA; 32],
-                auth_required: true,
-                host: HostIdentity::default(),
-                transports: wire::TRANSPORT_TCP,
-                token: [1; 16],
-                blobs: vec![],
+                auth_required: false,
+                dh: share.public,
             }
             .encode(),
         )
-        .expect("reply");
-        wire::read_ctrl(&mut s).expect("initiator's answer")
+        .expect("challenge");
     });
-    let i = Engine::new(EngineConfig {
-        secret: Some(b"s3cret".to_vec()),
-        ..Default::default()
-    })
-    .expect("engine");
-    assert!(matches!(i.connect(fake_addr), Err(Error::AuthFailed)));
-    match server.join().expect("fake responder") {
-        CtrlMsg::Reject { error } => {
-            assert!(matches!(
-                wire::decode_error(&error, true),
-                Ok(Error::AuthFailed)
-            ))
-        }
-        m => panic!("initiator answered a bad proof with {m:?}"),
-    }
+    assert!(matches!(i_err, Error::AuthFailed), "{i_err}");
+    assert_eq!(
+        i_msgs.len(),
+        1,
+        "only a Reject after the Challenge: {i_msgs:?}"
+    );
+    assert!(matches!(reject_error(&i_msgs), Error::AuthFailed));
+
+    // A fake responder that requires one, takes the proof, and cannot prove it back: refused.
+    let (i_msgs, i_err) = fake_responder(|s, _| {
+        let share = KeyShare::random();
+        s.write_all(
+            &CtrlMsg::Challenge {
+                nonce: [5; 32],
+                auth_required: true,
+                dh: share.public,
+            }
+            .encode(),
+        )
+        .expect("challenge");
+        assert!(matches!(
+            wire::read_ctrl(s).expect("proof"),
+            CtrlMsg::Proof { .. }
+        ));
+        s.write_all(
+            &CtrlMsg::Accept {
+                host: Default::default(),
+                transports: wire::TRANSPORT_TCP,
+                lanes: 1,
+                blobs: vec![],
+                mac: [0xAA; 32],
+            }
+            .encode(),
+        )
+        .expect("accept");
+    });
+    assert!(matches!(i_err, Error::AuthFailed), "{i_err}");
+    assert!(matches!(reject_error(&i_msgs), Error::AuthFailed));
 
     // A raw initiator with a made-up proof: the responder refuses and keeps no peer.
     let t = Engine::new(EngineConfig {
@@ -419,21 +433,41 @@ fn each_side_checks_the_other_sides_proof() {
     })
     .expect("engine");
     let mut c = raw(t.listen_addr());
-    c.write_all(&raw_peer::hello(3, true).encode())
+    c.write_all(&raw_peer::hello(3, true, &KeyShare::random()).encode())
         .expect("hello");
     match wire::read_ctrl(&mut c).expect("reply") {
-        CtrlMsg::HelloReply {
-            mac, auth_required, ..
-        } => {
-            assert!(auth_required);
-            assert_eq!(mac.len(), 32);
-        }
-        m => panic!("expected HelloReply, got {m:?}"),
+        CtrlMsg::Challenge { auth_required, .. } => assert!(auth_required),
+        m => panic!("expected Challenge, got {m:?}"),
     }
-    c.write_all(&raw_peer::auth(vec![0x55; 32]).encode())
-        .expect("auth");
+    c.write_all(&CtrlMsg::Proof { mac: [0x55; 32] }.encode())
+        .expect("proof");
     let (msgs, closed) = drain_ctrl(&mut c);
     assert!(matches!(reject_error(&msgs), Error::AuthFailed));
     assert!(closed);
     assert!(t.peers().is_empty());
+}
+
+/// Runs `answer` as a fake responder to an initiator holding a secret, after its `Hello`;
+/// returns what the initiator sent after that (until it closed) and its error.
+fn fake_responder(
+    answer: impl FnOnce(&mut TcpStream, CtrlMsg) + Send + 'static,
+) -> (Vec<CtrlMsg>, Error) {
+    let fake = std::net::TcpListener::bind("127.0.0.1:0").expect("bind");
+    let fake_addr = fake.local_addr().expect("addr");
+    let server = std::thread::spawn(move || {
+        let (mut s, _) = fake.accept().expect("accept");
+        s.set_read_timeout(Some(Duration::from_secs(60)))
+            .expect("timeout");
+        let hello = wire::read_ctrl(&mut s).expect("hello");
+        assert!(matches!(hello, CtrlMsg::Hello { auth: true, .. }));
+        answer(&mut s, hello);
+        drain_ctrl(&mut s).0
+    });
+    let i = Engine::new(EngineConfig {
+        secret: Some(b"s3cret".to_vec()),
+        ..Default::default()
+    })
+    .expect("engine");
+    let err = i.connect(fake_addr).expect_err("refused");
+    (server.join().expect("fake responder"), err)
 }

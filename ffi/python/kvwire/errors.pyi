@@ -3,7 +3,7 @@
 import builtins
 
 TABLE: tuple[tuple[str, type[BaseException] | None, str], ...]
-__all__ = ["KvwireError", "IoError", "ProtocolError", "VersionMismatchError", "AuthError", "OutOfBoundsError", "UnknownRegionError", "StaleRegionError", "AccessDeniedError", "PeerDeadError", "TimeoutError", "ShutdownError", "InvalidArgumentError", "UnsupportedError", "ConnectorError", "AbortedError", "LayerStreamError", "CudaError"]
+__all__ = ["KvwireError", "IoError", "ProtocolError", "VersionMismatchError", "AuthError", "OutOfBoundsError", "UnknownRegionError", "StaleRegionError", "AccessDeniedError", "PeerDeadError", "TimeoutError", "ShutdownError", "InvalidArgumentError", "UnsupportedError", "ResourceLimitError", "FencedError", "ConnectorError", "AbortedError", "LayerStreamError", "CudaError"]
 
 
 class KvwireError(Exception):
@@ -60,6 +60,14 @@ class InvalidArgumentError(KvwireError, builtins.ValueError):
 
 class UnsupportedError(KvwireError, builtins.NotImplementedError):
     """Not available here."""
+
+
+class ResourceLimitError(KvwireError):
+    """A bound of the engine's limits was reached (handshakes, peers, lanes, notification bytes...)."""
+
+
+class FencedError(KvwireError, builtins.ConnectionRefusedError):
+    """The peer engine is fenced (Engine.fence): its connections are refused."""
 
 
 class ConnectorError(KvwireError):

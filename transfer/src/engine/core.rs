@@ -16,7 +16,9 @@ use super::peer::{peer_reposts, EngineId, Peer, PeerInner};
 use crate::batch::Timer;
 use crate::config::EngineConfig;
 use crate::error::Error;
+use crate::gate::{AuthThrottle, ConnGate};
 use crate::metrics::{self, EngineMetrics, MetricsSnapshot};
+use crate::net::{LogLimiter, Threads};
 use crate::notify::{Notifications, NotifyQueue};
 use crate::region::RegionTable;
 use crate::transport::{CopyJob, Transport};
@@ -40,7 +42,10 @@ pub(crate) struct Core {
     pub(super) listener: TcpListener,
     pub(super) regions: Arc<RegionTable>,
     pub(super) peers: Mutex<HashMap<PeerId, Arc<PeerInner>>>,
-    pub(super) tokens: Mutex<HashMap<[u8; 16], Weak<PeerInner>>>,
+    /// Session ids of the lanes peers open into us (see `auth`), while their peer lives.
+    pub(super) sessions: Mutex<HashMap<[u8; 16], Weak<PeerInner>>>,
+    /// Fenced peer engines (by listen address), with the session ids they had then.
+    pub(super) fenced: Mutex<HashMap<SocketAddr, Vec<[u8; 16]>>>,
     /// Held while (region table change + broadcast) and while (peer insert + region snapshot),
     /// so every peer sees every region change exactly in order.
     pub(super) reg_lock: Mutex<()>,
@@ -52,7 +57,18 @@ pub(crate) struct Core {
     pub(super) host: HostIdentity,
     pub(super) next_batch: AtomicU64,
     pub(super) next_peer: AtomicU64,
-    pub(super) handshakes: AtomicUsize,
+    /// Handshakes and lane joins in progress (`Limits::max_handshakes`).
+    pub(super) gate: Arc<ConnGate>,
+    /// Failed proofs per source address.
+    pub(super) throttle: AuthThrottle,
+    /// Peers connected or being set up (`Limits::max_peers`).
+    pub(super) peer_count: Arc<AtomicUsize>,
+    /// Threads of this engine running now.
+    pub(super) threads: Threads,
+    /// Rate limits of the log lines peers can cause.
+    pub(super) logs: Logs,
+    /// The metrics endpoint's admission (when it runs).
+    pub(super) metrics_gate: Option<Arc<ConnGate>>,
     pub(super) copy_tx: Mutex<Option<Sender<CopyJob>>>,
     pub(super) transports: Vec<Box<dyn Transport>>,
     pub(super) metrics: Arc<EngineMetrics>,
@@ -60,6 +76,15 @@ pub(crate) struct Core {
     pub(super) metrics_addr: Option<SocketAddr>,
     /// Tells this engine's peers from other engines' (see `Engine::submit_inner`).
     pub(super) id: EngineId,
+}
+
+/// The rate limits of log lines a peer can cause at will (see [`LogLimiter`]).
+#[derive(Default)]
+pub(super) struct Logs {
+    pub(super) refused: LogLimiter,
+    pub(super) auth: LogLimiter,
+    pub(super) lane: LogLimiter,
+    pub(super) peer: LogLimiter,
 }
 
 pub(super) struct Handle {
@@ -171,6 +196,7 @@ impl Core {
         let mut lanes = 0;
         let mut reposts = 0;
         let mut inflight = (0, 0, 0);
+        let mut guard = metrics::GuardExtra::default();
         let mut ps: Vec<metrics::PeerSnapshot> = peers
             .iter()
             .map(|p| {
@@ -180,18 +206,47 @@ impl Core {
                 reposts += rp;
                 let f = p.pending.inflight();
                 inflight = (inflight.0 + f.0, inflight.1 + f.1, inflight.2 + f.2);
+                let holds = {
+                    let t = p.remote.read();
+                    metrics::PeerHolds {
+                        notify_bytes: p.notify_budget.used() as u64,
+                        remote_region_entries: t.by_index.len() as u64,
+                        removed_region_entries: t.removed_len() as u64,
+                        lanes_open: p.lanes_in.lock().open() as u64,
+                        ctrl_queue_bytes: p.ctrl.queued_bytes() as u64,
+                    }
+                };
+                guard.notify_bytes += holds.notify_bytes;
+                guard.remote_region_entries += holds.remote_region_entries;
+                guard.removed_region_entries += holds.removed_region_entries;
+                guard.lanes_open += holds.lanes_open;
+                guard.ctrl_queue_bytes += holds.ctrl_queue_bytes;
                 metrics::peer_snapshot(
                     p.id.0,
-                    p.remote_addr,
+                    (p.remote_addr, p.listen_addr),
                     p.transport.kind(),
                     p.pending.obs.as_ref().map(|o| &*o.peer),
                     (re, rp),
+                    holds,
                 )
             })
             .collect();
         ps.sort_by_key(|p| p.id);
         let all = self.regions.all();
         let n = &self.notify;
+        let gs = &self.gate.stats;
+        let ld = |a: &AtomicU64| a.load(Ordering::Relaxed);
+        guard.notifications_refused = ld(&n.refused);
+        guard.handshakes_in_progress = self.gate.in_progress() as u64;
+        guard.handshakes_admitted = ld(&gs.admitted);
+        guard.handshakes_evicted = ld(&gs.evicted);
+        guard.handshakes_refused = ld(&gs.refused_total) + ld(&gs.refused_per_ip);
+        guard.handshakes_timed_out = ld(&gs.timed_out);
+        guard.threads_live = self.threads.load(Ordering::Acquire);
+        if let Some(g) = &self.metrics_gate {
+            (guard.metrics_conns_live, guard.metrics_conns_evicted) = metrics::gate_counts(g);
+        }
+        guard.fenced_peers = self.fenced.lock().len() as u64;
         self.metrics.snapshot(metrics::SnapshotExtra {
             peers: ps,
             lanes_reestablished_live: lanes,
@@ -205,6 +260,7 @@ impl Core {
                 n.suppressed.load(Ordering::Relaxed),
             ),
             inflight,
+            guard,
         })
     }
 
@@ -232,6 +288,17 @@ impl Core {
             .any(|t| t.kind() == TransportKind::Rdma)
     }
 
+    /// Closes a peer because of `e` (counted under stage `peer`).
+    pub(super) fn peer_failed(&self, id: PeerId, e: &Error) {
+        if self.peers.lock().contains_key(&id) {
+            self.metrics.error(metrics::STAGE_PEER, e);
+            if let Some(count) = self.logs.peer.hit() {
+                tracing::warn!(peer = id.0, error = %e, count, "peer closed on error");
+            }
+        }
+        self.kill_peer(id, &e.to_string(), false);
+    }
+
     pub(super) fn kill_peer(&self, id: PeerId, reason: &str, shutdown: bool) {
         let p = self.peers.lock().remove(&id);
         let Some(p) = p else { return };
@@ -247,7 +314,9 @@ impl Core {
             Peer { inner: p.clone() }.lanes_reestablished(),
             Ordering::Relaxed,
         );
-        self.tokens.lock().remove(&p.our_token);
+        self.sessions.lock().remove(&p.lane_in.sid);
+        // No copy of its lanes starts any more (see `Engine::fence`).
+        p.gate.close();
         p.pending.close(reason, shutdown);
         p.transport.close();
         for t in &p.passive {
@@ -255,11 +324,11 @@ impl Core {
         }
         p.tracker.clear();
         p.ctrl.forget_all();
+        p.ctrl.close();
         let _ = p.ctrl_stream.shutdown(Shutdown::Both);
         self.fences.peer_gone(id, p.remote_host.pid);
-        for s in p.inbound_lanes.lock().drain(..) {
-            let _ = s.shutdown(Shutdown::Both);
-        }
+        p.lanes_in.lock().close();
+        p.slot.lock().take();
     }
 
     pub(super) fn shutdown(&self) {

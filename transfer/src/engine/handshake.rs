@@ -1,30 +1,57 @@
-//! The handshake: the transports each side allows and chooses, the mutual secret proof, the
-//! exchange of region tables and transport blobs ([`initiator_handshake`],
-//! [`responder_handshake`]).
+//! The handshake (protocol version 4): the transports each side allows and chooses, and the
+//! engine's side of the six messages ([`initiator_handshake`], [`responder_handshake`]; the
+//! exchange up to the initiator's proof is in `session`, the keys in `auth`).
+//!
+//! 1. I→R `Hello` (nonce, "I hold a secret", X25519 key share);
+//! 2. R→I `Challenge` (nonce, "a secret is required", key share): nothing else before 3;
+//! 3. I→R `Proof`: the initiator proves the secret over the transcript. Both or neither: an
+//!    initiator with a secret refuses a responder without one before proving anything, a
+//!    responder with one refuses an initiator without one after `Hello`;
+//! 4. R→I `Accept` (host, transports, lanes, blobs), MAC'd: the responder proves the secret
+//!    too, and only now tells anything about its host, or creates RDMA queue pairs;
+//! 5. I→R `Auth` (host, listen port, transports, lanes, blobs, regions), MAC'd;
+//! 6. R→I `Welcome` (regions), MAC'd, sent when the peer joins the engine.
+//!
+//! Every MAC covers the transcript, so nothing of the exchange can be replaced on the way. The
+//! lane credentials of both directions derive from the session key; a peer's lanes join with a
+//! proof of them (`session::join_lane`), never with a value sent in the clear.
 
 use std::io::Write;
 use std::net::{SocketAddr, TcpStream};
+use std::sync::atomic::Ordering;
 use std::sync::Arc;
+use std::time::Instant;
 
 use super::core::Core;
-use crate::auth;
+use super::peer::PeerSlot;
+use crate::auth::{self, KeyShare, Keys, LaneCred, Transcript};
 use crate::error::Error;
+use crate::gate::{Slot, STAGE_AWAITING_PROOF, STAGE_PROTECTED};
+use crate::limits::Resource;
+use crate::net::DeadlineIo;
+use crate::session::{self, Fail, Proved, Responder};
 use crate::transport::Transport;
 use crate::types::TransportKind;
 use crate::wire::{
-    self, CtrlMsg, HostIdentity, ProtocolError, Stage, WireRegion, TRANSPORT_RDMA, TRANSPORT_SHM,
-    TRANSPORT_TCP,
+    self, body, kind, CtrlMsg, Expect, HostIdentity, Stage, WireRegion, TRANSPORT_RDMA,
+    TRANSPORT_SHM, TRANSPORT_TCP,
 };
 
 pub(super) struct Handshaken {
     pub(super) kind: TransportKind,
     pub(super) remote_host: HostIdentity,
     pub(super) remote_regions: Vec<WireRegion>,
-    pub(super) remote_token: [u8; 16],
-    pub(super) our_token: [u8; 16],
+    /// The peer engine's listen address (where our lanes go; what a fence names).
     pub(super) lane_addr: SocketAddr,
     pub(super) remote_blobs: Vec<(u8, Vec<u8>)>,
     pub(super) our_blobs: Vec<(u8, Vec<u8>)>,
+    /// Credentials of the lanes the peer opens into us, and of ours into it.
+    pub(super) lane_in: LaneCred,
+    pub(super) lane_out: LaneCred,
+    /// Lanes the peer may open into us.
+    pub(super) lanes_in: u16,
+    pub(super) slot: PeerSlot,
+    pub(super) welcome: Option<WelcomeSeal>,
 }
 
 impl Core {
@@ -93,203 +120,190 @@ fn choose_transport(
     )))
 }
 
-pub(super) fn send_reject(s: &mut TcpStream, e: &Error) {
-    let _ = s.write_all(
-        &CtrlMsg::Reject {
-            error: wire::encode_error(e),
-        }
-        .encode(),
-    );
+/// The responder's `Welcome` still to be sealed (in `make_peer`, with the region list of the
+/// moment the peer joins the engine).
+pub(super) struct WelcomeSeal {
+    pub(super) keys: Keys,
+    pub(super) th: Transcript,
 }
 
+/// The largest region list a peer may send (`Limits::max_remote_regions`).
+pub(super) fn regions_cap(core: &Core) -> u32 {
+    body::regions(core.cfg.limits.max_remote_regions as u32)
+}
+
+/// Inbound lanes a peer announcing `lanes` may open here; `Err` beyond our bound.
+fn lanes_allowed(core: &Core, lanes: u16) -> Result<u16, Fail> {
+    let max = core.cfg.limits.max_peer_lanes;
+    if usize::from(lanes) > max {
+        return Err(Fail::Answer(Error::ResourceLimit {
+            resource: Resource::Lanes,
+            limit: max as u64,
+        }));
+    }
+    Ok(lanes)
+}
+
+/// The initiator's handshake over `s` (to the engine listening at `addr`), within
+/// `connect_timeout` as a whole.
 pub(super) fn initiator_handshake(
     core: &Arc<Core>,
-    s: &mut TcpStream,
+    s: &TcpStream,
     addr: SocketAddr,
-) -> Result<Handshaken, Error> {
-    let nonce_i: [u8; 32] = auth::random();
+    slot: PeerSlot,
+) -> Result<Handshaken, Fail> {
+    let mut io = DeadlineIo::new(s, Instant::now() + core.cfg.connect_timeout);
     let secret = core.cfg.secret.as_deref();
-    let our_blobs = core.hello_blobs(u8::MAX);
-    s.write_all(
-        &CtrlMsg::Hello {
-            nonce: nonce_i,
-            auth: secret.is_some(),
-            host: core.host.clone(),
-            listen_port: core.listen_addr.port(),
-            transports: allowed_transports(core),
-            blobs: our_blobs.clone(),
-        }
-        .encode(),
-    )?;
-    let (nonce_r, mac_r, auth_required, rhost, rtransports, rtoken, rblobs) =
-        match wire::read_ctrl(s)? {
-            CtrlMsg::HelloReply {
-                nonce,
-                mac,
-                auth_required,
-                host,
-                transports,
-                token,
-                blobs,
-            } => (nonce, mac, auth_required, host, transports, token, blobs),
-            CtrlMsg::Reject { error } => return Err(wire::decode_error(&error, true)?),
-            m => {
-                return Err(ProtocolError::Unexpected {
-                    stage: Stage::HelloReply,
-                    got: Some(Box::new(m)),
-                }
-                .into())
-            }
-        };
-    // Mutual proof: the responder must prove the secret when we hold one; we must prove it when
-    // the responder requires it.
-    let mac_i = match secret {
-        Some(k) => {
-            if !auth::verify_responder(k, &nonce_i, &nonce_r, &mac_r) {
-                send_reject(s, &Error::AuthFailed);
-                return Err(Error::AuthFailed);
-            }
-            auth::initiator_proof(k, &nonce_i, &nonce_r)
-        }
-        None => {
-            if auth_required {
-                send_reject(s, &Error::AuthFailed);
-                return Err(Error::AuthFailed);
-            }
-            Vec::new()
-        }
+    let share = KeyShare::random();
+    let Proved { keys, mut th } = session::initiate(&mut io, secret, &share, auth::random())?;
+    let expect = Expect {
+        stage: Stage::Accept,
+        kinds: &[(kind::ACCEPT, body::HANDSHAKE)],
     };
-    let kind = match choose_transport(core, rtransports, &rhost, &rblobs) {
-        Ok(k) => k,
-        Err(e) => {
-            send_reject(s, &e);
-            return Err(e);
-        }
+    let (m, raw) = wire::read_ctrl_limited(&mut io, expect)?;
+    let (rhost, rtransports, rlanes, rblobs) = match m {
+        CtrlMsg::Accept {
+            host,
+            transports,
+            lanes,
+            blobs,
+            ..
+        } => (host, transports, lanes, blobs),
+        CtrlMsg::Reject { error } => return Err(Fail::Quiet(rejected(&error))),
+        _ => unreachable!("read_ctrl_limited returns only expected kinds"),
     };
+    if !session::check_mac(&mut th, &raw, |t, b| keys.accept_mac(t, b)) {
+        return Err(Fail::Answer(Error::AuthFailed));
+    }
+    let lanes_in = lanes_allowed(core, rlanes)?;
+    let kind = choose_transport(core, rtransports, &rhost, &rblobs).map_err(Fail::Answer)?;
+    let our_blobs = core.hello_blobs(rtransports);
     let same = core.host.same_host(&rhost);
-    let our_token: [u8; 16] = auth::random();
-    s.write_all(
-        &CtrlMsg::Auth {
-            mac: mac_i,
-            transport: kind_bit(kind),
-            token: our_token,
-            regions: core.offered_wire(same),
-        }
-        .encode(),
-    )?;
-    let regions = match wire::read_ctrl(s)? {
-        CtrlMsg::Welcome { regions } => regions,
-        CtrlMsg::Reject { error } => return Err(wire::decode_error(&error, true)?),
-        m => {
-            return Err(ProtocolError::Unexpected {
-                stage: Stage::Welcome,
-                got: Some(Box::new(m)),
-            }
-            .into())
-        }
+    let auth_msg = CtrlMsg::Auth {
+        host: core.host.clone(),
+        listen_port: core.listen_addr.port(),
+        transports: allowed_transports(core),
+        lanes: core.cfg.lanes as u16,
+        blobs: our_blobs.clone(),
+        regions: core.offered_wire(same),
+        mac: [0; 32],
     };
+    let enc = session::seal(&mut th, &auth_msg, |t, b| keys.auth_mac(t, b));
+    io.write_all(&enc)?;
+    let th5 = th.hash();
+    let expect = Expect {
+        stage: Stage::Welcome,
+        kinds: &[(kind::WELCOME, regions_cap(core) + 32)],
+    };
+    let (m, raw) = wire::read_ctrl_limited(&mut io, expect)?;
+    let regions = match m {
+        CtrlMsg::Welcome { regions, .. } => regions,
+        CtrlMsg::Reject { error } => return Err(Fail::Quiet(rejected(&error))),
+        _ => unreachable!("read_ctrl_limited returns only expected kinds"),
+    };
+    if !session::check_mac(&mut th, &raw, |t, b| keys.welcome_mac(t, b)) {
+        return Err(Fail::Answer(Error::AuthFailed));
+    }
+    let sess = keys.session(&th5);
     Ok(Handshaken {
         kind,
         remote_host: rhost,
         remote_regions: regions,
-        remote_token: rtoken,
-        our_token,
         lane_addr: addr,
         remote_blobs: rblobs,
         our_blobs,
+        lane_in: sess.r_to_i,
+        lane_out: sess.i_to_r,
+        lanes_in,
+        slot,
+        welcome: None,
     })
 }
 
+/// The error a `Reject` of the peer carries.
+fn rejected(error: &[u8]) -> Error {
+    match wire::decode_error(error, true) {
+        Ok(e) | Err(e) => e,
+    }
+}
+
+/// The responder's handshake once `Hello` (`raw` as received) was read from `s` (peer address
+/// `ip`), over `io` (the exchange's deadline), marking its progress in `slot`.
 pub(super) fn responder_handshake(
     core: &Arc<Core>,
-    s: &mut TcpStream,
-    hello: CtrlMsg,
-) -> Result<Handshaken, Error> {
-    let CtrlMsg::Hello {
-        nonce: nonce_i,
-        auth: _,
-        host: ihost,
-        listen_port,
-        transports: itransports,
-        blobs: iblobs,
-    } = hello
-    else {
-        return Err(ProtocolError::Unexpected {
-            stage: Stage::Hello,
-            got: None,
-        }
-        .into());
+    s: &TcpStream,
+    io: &mut DeadlineIo<'_>,
+    slot: &Slot,
+    hello: &CtrlMsg,
+    raw: &[u8],
+) -> Result<Handshaken, Fail> {
+    let share = KeyShare::random();
+    let r = Responder {
+        psk: core.cfg.secret.as_deref(),
+        share: &share,
+        nonce_r: auth::random(),
     };
-    let secret = core.cfg.secret.as_deref();
-    let nonce_r: [u8; 32] = auth::random();
-    let our_token: [u8; 16] = auth::random();
-    let our_blobs = core.hello_blobs(itransports);
-    let ours = allowed_transports(core);
-    if ours & itransports == 0 {
-        let e = Error::Unsupported(format!(
-            "no common transport (ours {ours:#x}, theirs {itransports:#x})"
-        ));
-        send_reject(s, &e);
-        return Err(e);
-    }
-    s.write_all(
-        &CtrlMsg::HelloReply {
-            nonce: nonce_r,
-            mac: secret
-                .map(|k| auth::responder_proof(k, &nonce_i, &nonce_r))
-                .unwrap_or_default(),
-            auth_required: secret.is_some(),
-            host: core.host.clone(),
-            transports: ours,
-            token: our_token,
-            blobs: our_blobs.clone(),
-        }
-        .encode(),
-    )?;
-    let (mac_i, transport, rtoken, regions) = match wire::read_ctrl(s)? {
+    let Proved { keys, mut th } =
+        session::respond(io, &r, hello, raw, || slot.set(STAGE_AWAITING_PROOF))?;
+    slot.set(STAGE_PROTECTED);
+    let peer_slot = PeerSlot::take(&core.peer_count, core.cfg.limits.max_peers).map_err(|e| {
+        core.metrics
+            .security
+            .peers_refused
+            .fetch_add(1, Ordering::Relaxed);
+        Fail::Answer(e)
+    })?;
+    // Only now, for a peer that proved the secret: host details, transport blobs (RDMA queue
+    // pairs are created here).
+    let our_blobs = core.hello_blobs(u8::MAX);
+    let accept = CtrlMsg::Accept {
+        host: core.host.clone(),
+        transports: allowed_transports(core),
+        lanes: core.cfg.lanes as u16,
+        blobs: our_blobs.clone(),
+        mac: [0; 32],
+    };
+    let enc = session::seal(&mut th, &accept, |t, b| keys.accept_mac(t, b));
+    io.write_all(&enc)?;
+    let expect = Expect {
+        stage: Stage::Auth,
+        kinds: &[(kind::AUTH, body::HANDSHAKE + regions_cap(core))],
+    };
+    let (m, raw) = wire::read_ctrl_limited(io, expect)?;
+    let (ihost, listen_port, itransports, ilanes, iblobs, regions) = match m {
         CtrlMsg::Auth {
-            mac,
-            transport,
-            token,
+            host,
+            listen_port,
+            transports,
+            lanes,
+            blobs,
             regions,
-        } => (mac, transport, token, regions),
-        CtrlMsg::Reject { error } => return Err(wire::decode_error(&error, true)?),
-        m => {
-            return Err(ProtocolError::Unexpected {
-                stage: Stage::Auth,
-                got: Some(Box::new(m)),
-            }
-            .into())
-        }
+            ..
+        } => (host, listen_port, transports, lanes, blobs, regions),
+        CtrlMsg::Reject { error } => return Err(Fail::Quiet(rejected(&error))),
+        _ => unreachable!("read_ctrl_limited returns only expected kinds"),
     };
-    if let Some(k) = secret {
-        if !auth::verify_initiator(k, &nonce_i, &nonce_r, &mac_i) {
-            send_reject(s, &Error::AuthFailed);
-            return Err(Error::AuthFailed);
-        }
+    if !session::check_mac(&mut th, &raw, |t, b| keys.auth_mac(t, b)) {
+        return Err(Fail::Answer(Error::AuthFailed));
     }
-    // The initiator's choice is for its direction; ours is made the same way for ours.
-    if transport == TRANSPORT_SHM && !core.host.same_host(&ihost) {
-        let e = Error::from(ProtocolError::ShmAcrossHosts);
-        send_reject(s, &e);
-        return Err(e);
+    let lanes_in = lanes_allowed(core, ilanes)?;
+    let lane_addr = SocketAddr::new(s.peer_addr()?.ip(), listen_port);
+    if core.is_fenced(lane_addr) {
+        return Err(Fail::Answer(Error::Fenced { addr: lane_addr }));
     }
-    let kind = match choose_transport(core, itransports, &ihost, &iblobs) {
-        Ok(k) => k,
-        Err(e) => {
-            send_reject(s, &e);
-            return Err(e);
-        }
-    };
-    let peer_ip = s.peer_addr()?.ip();
+    let kind = choose_transport(core, itransports, &ihost, &iblobs).map_err(Fail::Answer)?;
+    let sess = keys.session(&th.hash());
     Ok(Handshaken {
         kind,
         remote_host: ihost,
         remote_regions: regions,
-        remote_token: rtoken,
-        our_token,
-        lane_addr: SocketAddr::new(peer_ip, listen_port),
+        lane_addr,
         remote_blobs: iblobs,
         our_blobs,
+        lane_in: sess.i_to_r,
+        lane_out: sess.r_to_i,
+        lanes_in,
+        slot: peer_slot,
+        welcome: Some(WelcomeSeal { keys, th }),
     })
 }

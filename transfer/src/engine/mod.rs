@@ -6,10 +6,11 @@
 //! * `fence`: region withdrawals awaiting same-host peers' answers;
 //! * `core`: [`Engine`], [`Descriptor`], `Core`; tearing down peers and the engine;
 //! * `regions`: registering, unregistering, local copies;
-//! * `handshake`: transport choice, the secret proof, region tables and transport blobs;
+//! * `handshake`: transport choice and the engine's side of the handshake (protocol 4);
 //! * `control`: a peer's control connection (region updates, notifications, fences);
 //! * `connect`: [`Engine::connect`] and the per-peer state built after a handshake;
-//! * `listener`: accepted connections (handshakes, data lanes);
+//! * `listener`: accepted connections (admission, handshakes, data lane joins);
+//! * `peer_fence`: [`Engine::fence`] and [`Engine::unfence`];
 //! * `submit`: [`Engine::write`] and [`Engine::read`];
 //! * `start`: [`Engine::new`].
 
@@ -20,6 +21,7 @@ mod fence;
 mod handshake;
 mod listener;
 mod peer;
+mod peer_fence;
 mod regions;
 mod start;
 mod submit;

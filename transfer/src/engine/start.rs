@@ -7,15 +7,17 @@ use std::sync::Arc;
 
 use parking_lot::Mutex;
 
-use super::core::{Core, Engine, Handle};
+use super::core::{Core, Engine, Handle, Logs};
 use super::fence::RegionFences;
 use super::listener::accept_loop;
 use super::peer::EngineId;
 use crate::batch::Timer;
 use crate::config::EngineConfig;
 use crate::error::Error;
+use crate::gate::{AuthThrottle, ConnGate};
 use crate::host::host_identity;
 use crate::metrics::{self, EngineMetrics};
+use crate::net::{spawn_counted, Threads};
 use crate::notify::NotifyQueue;
 use crate::region::RegionTable;
 use crate::transport::rdma::RdmaTransport;
@@ -41,11 +43,20 @@ impl Engine {
                 "empty secret (use None for no authentication)".into(),
             ));
         }
+        if cfg.secret.as_ref().is_some_and(|s| s.len() < 16) {
+            tracing::warn!(
+                "the shared secret is shorter than 16 bytes: an attacker who can make this \
+                 engine connect to it can guess it offline (generate one with \
+                 `kvwire-bench secret`)"
+            );
+        }
+        cfg.limits.validate().map_err(Error::InvalidArgument)?;
+        let threads: Threads = Arc::new(AtomicU64::new(0));
         let mut transports: Vec<Box<dyn Transport>> =
             vec![Box::new(TcpTransport), Box::new(ShmTransport::new())];
         // Only engines that may use RDMA open a device (Tcp/Shm engines never offer it).
         if matches!(cfg.transport, TransportKind::Rdma | TransportKind::Auto) {
-            match RdmaTransport::open(&cfg) {
+            match RdmaTransport::open(&cfg, &threads) {
                 Ok(Some(t)) => transports.push(Box::new(t)),
                 Ok(None) if cfg.transport == TransportKind::Rdma => {
                     return Err(Error::Unsupported(
@@ -68,22 +79,28 @@ impl Engine {
             None => None,
         };
         let timer = Arc::new(Timer::default());
-        timer.start()?;
+        timer.start(&threads)?;
         let (copy_tx, copy_rx) = crossbeam_channel::unbounded::<CopyJob>();
-        std::thread::Builder::new()
-            .name("kvwire-copy".into())
-            .spawn(move || {
-                while let Ok(job) = copy_rx.recv() {
-                    job();
-                }
-            })?;
+        spawn_counted("kvwire-copy".into(), &threads, move || {
+            while let Ok(job) = copy_rx.recv() {
+                job();
+            }
+        })?;
+        let limits = cfg.limits.clone();
+        let metrics_gate = metrics_listener.as_ref().map(|_| {
+            ConnGate::new(
+                limits.metrics_max_conns,
+                (limits.metrics_max_conns / 2).max(1),
+            )
+        });
         let core = Arc::new(Core {
             cfg,
             listen_addr,
             listener,
             regions: Arc::new(RegionTable::default()),
             peers: Mutex::new(HashMap::new()),
-            tokens: Mutex::new(HashMap::new()),
+            sessions: Mutex::new(HashMap::new()),
+            fenced: Mutex::new(HashMap::new()),
             reg_lock: Mutex::new(()),
             fences: RegionFences::default(),
             notify: Arc::new(NotifyQueue::default()),
@@ -92,7 +109,12 @@ impl Engine {
             host: host_identity(),
             next_batch: AtomicU64::new(1),
             next_peer: AtomicU64::new(1),
-            handshakes: AtomicUsize::new(0),
+            gate: ConnGate::new(limits.max_handshakes, limits.max_handshakes_per_ip),
+            throttle: AuthThrottle::new(limits.auth_failures_per_ip),
+            peer_count: Arc::new(AtomicUsize::new(0)),
+            threads: threads.clone(),
+            logs: Logs::default(),
+            metrics_gate: metrics_gate.clone(),
             copy_tx: Mutex::new(Some(copy_tx)),
             transports,
             metrics: Arc::new(EngineMetrics::default()),
@@ -100,21 +122,28 @@ impl Engine {
             id: EngineId::next(),
         });
         let c = core.clone();
-        std::thread::Builder::new()
-            .name("kvwire-accept".into())
-            .spawn(move || accept_loop(c))?;
-        if let Some(l) = metrics_listener {
+        spawn_counted("kvwire-accept".into(), &threads, move || accept_loop(c))?;
+        if let (Some(l), Some(gate)) = (metrics_listener, metrics_gate) {
             let wc = Arc::downgrade(&core);
-            let render: metrics::Render = Box::new(move || {
+            let render: metrics::Render = Arc::new(move || {
                 let c = wc.upgrade()?;
                 if c.shut.load(Ordering::Acquire) {
                     return None;
                 }
                 Some(c.metrics_snapshot().to_prometheus_text())
             });
-            std::thread::Builder::new()
-                .name("kvwire-metrics".into())
-                .spawn(move || metrics::serve(l, render))?;
+            let wc = Arc::downgrade(&core);
+            let server = metrics::Server {
+                gate,
+                render,
+                alive: Box::new(move || {
+                    wc.upgrade()
+                        .is_some_and(|c| !c.shut.load(Ordering::Acquire))
+                }),
+                timeout: limits.metrics_conn_timeout,
+                threads: threads.clone(),
+            };
+            spawn_counted("kvwire-metrics".into(), &threads, move || server.serve(l))?;
             tracing::info!(addr = ?metrics_addr, "metrics endpoint listening");
         }
         Ok(Engine {

@@ -44,7 +44,7 @@ pub(super) fn size_class(bytes: u64) -> usize {
 }
 
 /// Error kinds (one per `Error` variant), as label values.
-pub const ERROR_KINDS: [&str; 13] = [
+pub const ERROR_KINDS: [&str; 15] = [
     "io",
     "protocol",
     "version_mismatch",
@@ -58,10 +58,14 @@ pub const ERROR_KINDS: [&str; 13] = [
     "shutdown",
     "invalid_argument",
     "unsupported",
+    "resource_limit",
+    "fenced",
 ];
 
-/// Where an error was counted (`stage` label): refused at submit, failed batch, failed connect.
-pub const ERROR_STAGES: [&str; 3] = ["submit", "batch", "connect"];
+/// Where an error was counted (`stage` label): refused at submit, failed batch, failed connect
+/// (outbound, or an inbound handshake or lane join refused), a connected peer closed because of
+/// it (a bound exceeded, idle, a protocol violation on its control connection).
+pub const ERROR_STAGES: [&str; 4] = ["submit", "batch", "connect", "peer"];
 
 /// Index of an error's kind in [`ERROR_KINDS`].
 pub fn error_kind(e: &Error) -> usize {
@@ -79,6 +83,8 @@ pub fn error_kind(e: &Error) -> usize {
         Error::Shutdown => 10,
         Error::InvalidArgument(_) => 11,
         Error::Unsupported(_) => 12,
+        Error::ResourceLimit { .. } => 13,
+        Error::Fenced { .. } => 14,
     }
 }
 
@@ -88,6 +94,8 @@ pub(crate) const STAGE_SUBMIT: usize = 0;
 pub(crate) const STAGE_BATCH: usize = 1;
 /// Stage index: connect/handshake failed.
 pub(crate) const STAGE_CONNECT: usize = 2;
+/// Stage index: a connected peer was closed because of the error.
+pub(crate) const STAGE_PEER: usize = 3;
 
 /// Histogram buckets: bucket `i < BUCKETS - 1` counts durations ≤ 2^i µs; the last is +Inf.
 pub const BUCKETS: usize = 26;
@@ -249,6 +257,19 @@ impl PeerBook {
     }
 }
 
+/// Counters of what peers were refused or made the engine do (see `Limits`).
+#[derive(Default)]
+pub(crate) struct SecurityCounters {
+    /// Failed proofs (handshakes and lane joins).
+    pub(crate) auth_failures: AtomicU64,
+    /// Lane joins refused after a valid proof (beyond the peer's lanes, already open).
+    pub(crate) lanes_refused: AtomicU64,
+    /// Handshakes refused because `Limits::max_peers` peers were connected.
+    pub(crate) peers_refused: AtomicU64,
+    /// Region-table entries visited handling peers' region messages.
+    pub(crate) remote_table_ops: AtomicU64,
+}
+
 /// Engine-wide metrics.
 pub(crate) struct EngineMetrics {
     pub(super) book: parking_lot::Mutex<PeerBook>,
@@ -264,6 +285,7 @@ pub(crate) struct EngineMetrics {
     pub(crate) lanes_reestablished_retired: AtomicU64,
     /// Work requests re-posted on peers that are gone.
     pub(crate) reposts_retired: AtomicU64,
+    pub(crate) security: SecurityCounters,
 }
 
 impl Default for EngineMetrics {
@@ -279,6 +301,7 @@ impl Default for EngineMetrics {
             disconnects: AtomicU64::new(0),
             lanes_reestablished_retired: AtomicU64::new(0),
             reposts_retired: AtomicU64::new(0),
+            security: SecurityCounters::default(),
         }
     }
 }

@@ -13,9 +13,11 @@
 //! Modules:
 //! * `counters`: the atomics and their labels (transports, error kinds, buckets, size classes);
 //! * `snapshot`: [`MetricsSnapshot`] and the Prometheus text exposition;
-//! * `http`: the `GET /metrics` endpoint.
+//! * `guard`: the series of the engine's bounds (`Limits`);
+//! * `http`: the `GET /metrics` endpoint (bounded connections, each on its own thread).
 
 mod counters;
+mod guard;
 mod http;
 mod snapshot;
 
@@ -23,9 +25,12 @@ pub use counters::{
     bucket_le_seconds, error_kind, transport_label, BUCKETS, ERROR_KINDS, ERROR_STAGES,
     SIZE_CLASSES, SIZE_CLASS_LIMITS,
 };
-pub(crate) use counters::{EngineMetrics, PeerObs, STAGE_CONNECT, STAGE_SUBMIT};
-pub(crate) use http::{serve, Render};
-pub(crate) use snapshot::{peer_snapshot, SnapshotExtra};
+pub(crate) use counters::{EngineMetrics, PeerObs, STAGE_CONNECT, STAGE_PEER, STAGE_SUBMIT};
+pub(crate) use guard::GuardExtra;
+pub(crate) use http::{gate_counts, Render, Server};
+#[doc(hidden)]
+pub use http::{parse_request, Request};
+pub(crate) use snapshot::{peer_snapshot, PeerHolds, SnapshotExtra};
 pub use snapshot::{
     ErrorCount, HistogramSnapshot, MetricsSnapshot, PeerSnapshot, TransportSnapshot,
 };

@@ -97,6 +97,28 @@ pub struct PeerSnapshot {
     pub lanes_reestablished: u64,
     /// Work requests towards it re-posted on another lane after a lane failed (RDMA).
     pub reposts: u64,
+    /// Its listen address (as announced; what `Engine::fence` names).
+    pub listen_addr: SocketAddr,
+    /// Bytes of its notifications pending here (`Limits::peer_notify_bytes`).
+    pub notify_bytes: u64,
+    /// Entries of its region table here (`Limits::max_remote_regions`).
+    pub remote_region_entries: u64,
+    /// Its withdrawn regions remembered here (`Limits::max_remote_regions`).
+    pub removed_region_entries: u64,
+    /// Data lanes it has open into this engine (`Limits::max_peer_lanes`).
+    pub lanes_open: u64,
+    /// Control bytes queued towards it (`Limits::ctrl_queue_bytes`).
+    pub ctrl_queue_bytes: u64,
+}
+
+/// What a peer holds of the engine (for [`PeerSnapshot`]).
+#[derive(Clone, Copy, Debug, Default)]
+pub(crate) struct PeerHolds {
+    pub notify_bytes: u64,
+    pub remote_region_entries: u64,
+    pub removed_region_entries: u64,
+    pub lanes_open: u64,
+    pub ctrl_queue_bytes: u64,
 }
 
 /// A count of errors of one kind at one stage.
@@ -157,6 +179,44 @@ pub struct MetricsSnapshot {
     pub notifications_dropped: u64,
     /// Notifications never delivered because a slice of their batch was refused.
     pub notifications_suppressed: u64,
+    /// Notifications refused because their peer's budget of pending bytes was spent.
+    pub notifications_refused: u64,
+    /// Handshakes and lane joins in progress (`Limits::max_handshakes`).
+    pub handshakes_in_progress: u64,
+    /// Connections admitted to a handshake or lane join.
+    pub handshakes_admitted: u64,
+    /// Handshakes closed (with a `Reject`) to admit newer ones.
+    pub handshakes_evicted: u64,
+    /// Connections refused at accept (every admitted one was too far along to be evicted).
+    pub handshakes_refused: u64,
+    /// Handshakes that ran past `Limits::handshake_timeout`.
+    pub handshakes_timed_out: u64,
+    /// Failed proofs (handshakes and lane joins).
+    pub auth_failures: u64,
+    /// Data lanes peers have open into this engine.
+    pub lanes_open: u64,
+    /// Lane joins refused after a valid proof.
+    pub lanes_refused: u64,
+    /// Handshakes refused because `Limits::max_peers` peers were connected.
+    pub peers_refused: u64,
+    /// Bytes of notifications pending here, all peers.
+    pub notify_bytes: u64,
+    /// Entries of peers' region tables here.
+    pub remote_region_entries: u64,
+    /// Withdrawn regions of peers remembered here.
+    pub removed_region_entries: u64,
+    /// Region-table entries visited handling peers' region messages.
+    pub remote_table_ops: u64,
+    /// Control bytes queued towards peers.
+    pub ctrl_queue_bytes: u64,
+    /// Threads of this engine running now.
+    pub threads_live: u64,
+    /// Connections of the metrics endpoint being served.
+    pub metrics_conns_live: u64,
+    /// Metrics connections closed with a 503 to admit newer ones.
+    pub metrics_conns_evicted: u64,
+    /// Fenced peer addresses.
+    pub fenced_peers: u64,
 }
 
 impl MetricsSnapshot {
@@ -386,12 +446,12 @@ impl MetricsSnapshot {
                 self.notifications_suppressed.to_string(),
             ),
         ];
-        for (name, ty, help, v) in &gauges {
+        for (name, ty, help, v) in gauges.iter().chain(self.guard_series().iter()) {
             head(&mut o, name, ty, help);
             let _ = writeln!(o, "{name} {v}");
         }
         type PGet = fn(&PeerSnapshot) -> u64;
-        let per_peer: [(&str, &str, PGet); 6] = [
+        let per_peer: [(&str, &str, PGet); 11] = [
             (
                 "kvwire_peer_write_bytes_total",
                 "Bytes written to a peer (completed batches).",
@@ -422,9 +482,39 @@ impl MetricsSnapshot {
                 "Lanes towards a peer re-established after errors.",
                 |p| p.lanes_reestablished,
             ),
+            (
+                "kvwire_peer_notify_bytes",
+                "Bytes of a peer's notifications pending here.",
+                |p| p.notify_bytes,
+            ),
+            (
+                "kvwire_peer_remote_regions",
+                "Entries of a peer's region table here.",
+                |p| p.remote_region_entries,
+            ),
+            (
+                "kvwire_peer_removed_regions",
+                "Withdrawn regions of a peer remembered here.",
+                |p| p.removed_region_entries,
+            ),
+            (
+                "kvwire_peer_lanes_open",
+                "Data lanes a peer has open into this engine.",
+                |p| p.lanes_open,
+            ),
+            (
+                "kvwire_peer_ctrl_queue_bytes",
+                "Control bytes queued towards a peer.",
+                |p| p.ctrl_queue_bytes,
+            ),
         ];
         for (name, help, get) in &per_peer {
-            head(&mut o, name, "counter", help);
+            let ty = if name.ends_with("_total") {
+                "counter"
+            } else {
+                "gauge"
+            };
+            head(&mut o, name, ty, help);
             for p in &self.peers {
                 let _ = writeln!(
                     o,
@@ -451,6 +541,7 @@ pub(crate) struct SnapshotExtra {
     pub notifications: (u64, u64, u64),
     /// (bytes, slices, batches) in flight.
     pub inflight: (u64, u64, u64),
+    pub guard: super::guard::GuardExtra,
 }
 
 impl EngineMetrics {
@@ -514,6 +605,25 @@ impl EngineMetrics {
             notifications_delivered: x.notifications.0,
             notifications_dropped: x.notifications.1,
             notifications_suppressed: x.notifications.2,
+            notifications_refused: x.guard.notifications_refused,
+            handshakes_in_progress: x.guard.handshakes_in_progress,
+            handshakes_admitted: x.guard.handshakes_admitted,
+            handshakes_evicted: x.guard.handshakes_evicted,
+            handshakes_refused: x.guard.handshakes_refused,
+            handshakes_timed_out: x.guard.handshakes_timed_out,
+            auth_failures: ld(&self.security.auth_failures),
+            lanes_open: x.guard.lanes_open,
+            lanes_refused: ld(&self.security.lanes_refused),
+            peers_refused: ld(&self.security.peers_refused),
+            notify_bytes: x.guard.notify_bytes,
+            remote_region_entries: x.guard.remote_region_entries,
+            removed_region_entries: x.guard.removed_region_entries,
+            remote_table_ops: ld(&self.security.remote_table_ops),
+            ctrl_queue_bytes: x.guard.ctrl_queue_bytes,
+            threads_live: x.guard.threads_live,
+            metrics_conns_live: x.guard.metrics_conns_live,
+            metrics_conns_evicted: x.guard.metrics_conns_evicted,
+            fenced_peers: x.guard.fenced_peers,
         }
     }
 }
@@ -521,10 +631,11 @@ impl EngineMetrics {
 /// Reads a peer's counters (for [`SnapshotExtra::peers`]).
 pub(crate) fn peer_snapshot(
     id: u64,
-    remote_addr: SocketAddr,
+    (remote_addr, listen_addr): (SocketAddr, SocketAddr),
     transport: TransportKind,
     c: Option<&PeerCounters>,
     (lanes_reestablished, reposts): (u64, u64),
+    holds: PeerHolds,
 ) -> PeerSnapshot {
     let mut t = Totals::default();
     if let Some(c) = c {
@@ -542,5 +653,11 @@ pub(crate) fn peer_snapshot(
         ops: w.ops + r.ops,
         lanes_reestablished,
         reposts,
+        listen_addr,
+        notify_bytes: holds.notify_bytes,
+        remote_region_entries: holds.remote_region_entries,
+        removed_region_entries: holds.removed_region_entries,
+        lanes_open: holds.lanes_open,
+        ctrl_queue_bytes: holds.ctrl_queue_bytes,
     }
 }

@@ -7,10 +7,12 @@ use std::sync::Arc;
 use crossbeam_channel::Sender;
 
 use super::marks::CopyMarks;
+use crate::auth::LaneCred;
 use crate::batch::{BatchState, Pending, Posted};
 use crate::config::EngineConfig;
 use crate::ctrl::CtrlWriter;
 use crate::error::Error;
+use crate::net::Threads;
 use crate::region::RegionEntry;
 use crate::types::{RegionId, TransportKind};
 use crate::wire::{HostIdentity, ProtocolError};
@@ -68,10 +70,10 @@ pub(crate) struct EstablishCtx<'a> {
     pub local_blob: Option<&'a [u8]>,
     /// Where the remote runs (pid for same-host transports).
     pub remote_host: &'a HostIdentity,
-    /// Where to open data connections to the remote (its listen address) and the token to show.
+    /// Where to open data connections to the remote (its listen address).
     pub lane_addr: SocketAddr,
-    /// Token the remote handed us for joining its data lanes.
-    pub remote_token: [u8; 16],
+    /// The credentials our lanes join the remote's listener with (derived in the handshake).
+    pub lane_cred: LaneCred,
     /// Engine configuration (lanes, slice size, timeouts).
     pub cfg: &'a EngineConfig,
     /// The peer's control connection (notifications for transports without a data-path one).
@@ -84,6 +86,8 @@ pub(crate) struct EstablishCtx<'a> {
     pub copy_tx: Sender<CopyJob>,
     /// Where the peer's lane threads mark the region they are copying (TCP).
     pub marks: Arc<CopyMarks>,
+    /// The engine's count of running threads (threads the transport starts are counted).
+    pub threads: Threads,
 }
 
 /// A transport (one instance per kind, per engine).

@@ -19,10 +19,11 @@
 //! same peer is queued or running there, so batches submitted one after the other to a peer are
 //! copied, and their notifications sent, in submission order.
 //!
-//! Copies into caller memory of the target (`process_vm_writev`) are counted per region: when
-//! the target withdraws such a region, its later copies fail with `Error::StaleRegion` and the
-//! withdrawal is confirmed to the target (by the engine's fence after `RegionsRemoved`) only
-//! once no copy into it is running.
+//! Copies into the target's memory (mapped memfds and `process_vm_writev`) are counted per
+//! region: when the target withdraws a region, later copies fail with `Error::StaleRegion` and
+//! the withdrawal is confirmed to the target (by the engine's fence after `RegionsRemoved`)
+//! only once no copy into it is running. A target that fences this engine
+//! (`Engine::fence`) withdraws every region this way before it closes the connection.
 
 use std::collections::{HashMap, HashSet, VecDeque};
 use std::os::fd::AsFd;
@@ -131,8 +132,11 @@ impl Shared {
     fn copy(&self, dir: Dir, x: &Xfer) -> Result<(), Error> {
         let len =
             usize::try_from(x.len).map_err(|_| Error::InvalidArgument("op too large".into()))?;
-        // Our side of the copy runs inside the local region's gate (refused once unregistered).
+        // Our side of the copy runs inside the local region's gate (refused once unregistered);
+        // the target's side is counted as running (refused once the target withdrew it, and
+        // waited for by the withdrawal: what a fence of this engine by the target relies on).
         let _local = x.local.enter()?;
+        let _busy = self.enter(x.remote.id)?;
         match self.mapping(&x.remote) {
             Some(map) => match dir {
                 Dir::Write => RegionMem::copy_between(
@@ -151,7 +155,6 @@ impl Shared {
                 )?,
             },
             None => {
-                let _busy = self.enter(x.remote.id)?;
                 let addr = x
                     .remote
                     .addr

@@ -8,8 +8,8 @@ use parking_lot::Mutex;
 
 use super::marks::CopyMarks;
 use crate::error::Error;
-use crate::notify::{Notification, NotifyQueue};
-use crate::region::RegionTable;
+use crate::notify::{Budget, Charge, Notification, NotifyQueue, NOTIFY_OVERHEAD};
+use crate::region::{RegionGate, RegionTable};
 use crate::types::PeerId;
 use crate::wire::ProtocolError;
 
@@ -22,6 +22,11 @@ pub(crate) struct TargetCtx {
     pub tracker: Arc<NotifyTracker>,
     /// Where this peer's lane threads mark the region they are copying.
     pub marks: Arc<CopyMarks>,
+    /// The peer's own gate: every copy of its lanes runs inside it; closed when the peer is
+    /// closed or fenced (then no copy of that peer runs any more once it is idle).
+    pub gate: Arc<RegionGate>,
+    /// The peer's budget of pending notification bytes.
+    pub budget: Arc<Budget>,
 }
 
 #[derive(Default)]
@@ -29,7 +34,9 @@ struct Track {
     landed: u32,
     refused: u32,
     expected: Option<u32>,
-    tag: Option<Vec<u8>>,
+    tag: Option<(Vec<u8>, Charge)>,
+    /// Not delivered even when complete (its notification was refused: budget spent).
+    dropped: bool,
 }
 
 /// Target side: counts the slices of batches that carry a notification and delivers the tag
@@ -52,11 +59,20 @@ impl NotifyTracker {
         });
         if complete {
             if let Some(t) = m.remove(&batch) {
-                if t.refused == 0 {
-                    ctx.notify.push(Notification {
-                        peer: ctx.peer,
-                        tag: t.tag.unwrap_or_default(),
-                    });
+                if t.dropped {
+                    // Refused when it arrived (and counted then).
+                } else if t.refused == 0 {
+                    let (tag, charge) = match t.tag {
+                        Some((tag, c)) => (tag, Some(c)),
+                        None => (Vec::new(), None),
+                    };
+                    ctx.notify.push(
+                        Notification {
+                            peer: ctx.peer,
+                            tag,
+                        },
+                        charge,
+                    );
                 } else {
                     ctx.notify
                         .suppressed
@@ -81,7 +97,10 @@ impl NotifyTracker {
         Ok(())
     }
 
-    /// The notification of a batch arrived (with the batch's slice count).
+    /// The notification of a batch arrived (with the batch's slice count). Its tag is charged
+    /// to the peer's budget until the application takes it; beyond the budget it is refused
+    /// with `Error::ResourceLimit` (the batch's slices are still accounted for, and the tag is
+    /// never delivered).
     pub fn notify(
         &self,
         ctx: &TargetCtx,
@@ -95,9 +114,21 @@ impl NotifyTracker {
             return Err(ProtocolError::DuplicateNotify { batch }.into());
         }
         t.expected = Some(slices);
-        t.tag = Some(tag);
+        let r = match ctx.budget.charge(tag.len() + NOTIFY_OVERHEAD) {
+            Ok(c) => {
+                t.tag = Some((tag, c));
+                Ok(())
+            }
+            Err(e) => {
+                t.dropped = true;
+                ctx.notify
+                    .refused
+                    .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+                Err(e)
+            }
+        };
         Self::settle(ctx, batch, &mut m);
-        Ok(())
+        r
     }
 
     /// A tracked slice was refused: the batch's notification must never be delivered.
@@ -128,6 +159,8 @@ mod tests {
             peer: PeerId(1),
             tracker: Arc::new(NotifyTracker::default()),
             marks: Arc::new(CopyMarks::default()),
+            gate: Arc::new(RegionGate::default()),
+            budget: Budget::new(200),
         };
         (ctx, Notifications { q })
     }
@@ -170,5 +203,24 @@ mod tests {
             t.notify(&c, 6, 1, vec![]),
             Err(Error::Protocol(_))
         ));
+    }
+
+    #[test]
+    fn tags_are_charged_until_taken() {
+        let (c, n) = ctx();
+        let t = c.tracker.clone();
+        t.notify(&c, 1, 0, vec![1; 100]).expect("fits");
+        assert_eq!(c.budget.used(), 164);
+        // 164 + 100 + 64 > 200: refused, and the batch's slice is still accounted for.
+        assert!(matches!(
+            t.notify(&c, 2, 1, vec![2; 100]),
+            Err(Error::ResourceLimit { limit: 200, .. })
+        ));
+        t.landed(&c, 2).expect("landed");
+        assert!(t.m.lock().is_empty());
+        assert_eq!(n.try_recv().map(|x| x.tag.len()), Some(100));
+        assert_eq!(c.budget.used(), 0, "taking it gave the bytes back");
+        assert!(n.try_recv().is_none());
+        t.notify(&c, 3, 0, vec![3; 100]).expect("fits again");
     }
 }

@@ -1,30 +1,38 @@
 //! Control messages: encoding, decoding (bounded, never panicking), reading from a stream.
 
+use std::io::Read;
+
 use super::msg::{
-    CtrlMsg, CTRL_HEADER_LEN, CTRL_MAGIC, MAX_CTRL_BODY, MAX_ERROR_PAYLOAD, MAX_TAG,
+    body, kind, CtrlMsg, CTRL_HEADER_LEN, CTRL_MAGIC, MAX_CTRL_BODY, MAX_ERROR_PAYLOAD, MAX_TAG,
     MAX_TRANSPORT_MSG, PROTOCOL_VERSION,
 };
-use super::problem::{Layout, ProtocolError};
+use super::problem::{Layout, ProtocolError, Stage};
 use super::rw::{Reader, Writer};
 use crate::error::Error;
 use crate::types::RegionId;
 
 // The encoders and decoders are public for the tests only (see `wire/mod.rs`).
 impl CtrlMsg {
-    fn kind(&self) -> u8 {
+    /// The kind byte of this message ([`super::msg::kind`]).
+    #[doc(hidden)]
+    pub fn kind(&self) -> u8 {
         match self {
-            CtrlMsg::Hello { .. } => 1,
-            CtrlMsg::HelloReply { .. } => 2,
-            CtrlMsg::Auth { .. } => 3,
-            CtrlMsg::Welcome { .. } => 4,
-            CtrlMsg::Reject { .. } => 5,
-            CtrlMsg::LaneJoin { .. } => 6,
-            CtrlMsg::LaneOk => 7,
-            CtrlMsg::RegionsAdded(_) => 8,
-            CtrlMsg::RegionsRemoved(_) => 9,
-            CtrlMsg::Notify(_) => 10,
-            CtrlMsg::RegionsSet(_) => 11,
-            CtrlMsg::Transport { .. } => 12,
+            CtrlMsg::Hello { .. } => kind::HELLO,
+            CtrlMsg::Auth { .. } => kind::AUTH,
+            CtrlMsg::Welcome { .. } => kind::WELCOME,
+            CtrlMsg::Reject { .. } => kind::REJECT,
+            CtrlMsg::LaneJoin { .. } => kind::LANE_JOIN,
+            CtrlMsg::LaneOk => kind::LANE_OK,
+            CtrlMsg::RegionsAdded(_) => kind::REGIONS_ADDED,
+            CtrlMsg::RegionsRemoved(_) => kind::REGIONS_REMOVED,
+            CtrlMsg::Notify(_) => kind::NOTIFY,
+            CtrlMsg::RegionsSet(_) => kind::REGIONS_SET,
+            CtrlMsg::Transport { .. } => kind::TRANSPORT,
+            CtrlMsg::Challenge { .. } => kind::CHALLENGE,
+            CtrlMsg::Proof { .. } => kind::PROOF,
+            CtrlMsg::Accept { .. } => kind::ACCEPT,
+            CtrlMsg::LaneChallenge { .. } => kind::LANE_CHALLENGE,
+            CtrlMsg::LaneProof { .. } => kind::LANE_PROOF,
         }
     }
 
@@ -38,54 +46,60 @@ impl CtrlMsg {
         w.u8(0);
         w.u32(0);
         match self {
-            CtrlMsg::Hello {
+            CtrlMsg::Hello { nonce, auth, dh }
+            | CtrlMsg::Challenge {
                 nonce,
-                auth,
-                host,
-                listen_port,
-                transports,
-                blobs,
+                auth_required: auth,
+                dh,
             } => {
                 w.bytes_fixed(nonce);
                 w.u8(*auth as u8);
+                w.bytes_fixed(dh);
+            }
+            CtrlMsg::Proof { mac } | CtrlMsg::LaneProof { mac } => w.bytes_fixed(mac),
+            CtrlMsg::Accept {
+                host,
+                transports,
+                lanes,
+                blobs,
+                mac,
+            } => {
+                w.host(host);
+                w.u8(*transports);
+                w.u16(*lanes);
+                w.blobs(blobs);
+                w.bytes_fixed(mac);
+            }
+            CtrlMsg::Auth {
+                host,
+                listen_port,
+                transports,
+                lanes,
+                blobs,
+                regions,
+                mac,
+            } => {
                 w.host(host);
                 w.u16(*listen_port);
                 w.u8(*transports);
+                w.u16(*lanes);
                 w.blobs(blobs);
-            }
-            CtrlMsg::HelloReply {
-                nonce,
-                mac,
-                auth_required,
-                host,
-                transports,
-                token,
-                blobs,
-            } => {
-                w.bytes_fixed(nonce);
-                w.bytes(mac);
-                w.u8(*auth_required as u8);
-                w.host(host);
-                w.u8(*transports);
-                w.bytes_fixed(token);
-                w.blobs(blobs);
-            }
-            CtrlMsg::Auth {
-                mac,
-                transport,
-                token,
-                regions,
-            } => {
-                w.bytes(mac);
-                w.u8(*transport);
-                w.bytes_fixed(token);
                 w.regions(regions);
+                w.bytes_fixed(mac);
             }
-            CtrlMsg::Welcome { regions } => w.regions(regions),
+            CtrlMsg::Welcome { regions, mac } => {
+                w.regions(regions);
+                w.bytes_fixed(mac);
+            }
             CtrlMsg::Reject { error } => w.bytes(error),
-            CtrlMsg::LaneJoin { token, lane } => {
-                w.bytes_fixed(token);
+            CtrlMsg::LaneJoin { sid, lane, nonce } => {
+                w.bytes_fixed(sid);
                 w.u16(*lane);
+                w.bytes_fixed(nonce);
+            }
+            CtrlMsg::LaneChallenge { nonce, mac } => {
+                w.bytes_fixed(nonce);
+                w.bytes_fixed(mac);
             }
             CtrlMsg::LaneOk => {}
             CtrlMsg::RegionsAdded(r) => w.regions(r),
@@ -143,45 +157,56 @@ impl CtrlMsg {
 
     /// Decodes a body of the given kind. Trailing bytes are an error.
     #[doc(hidden)]
-    pub fn decode_body(kind: u8, b: &[u8]) -> Result<CtrlMsg, Error> {
+    pub fn decode_body(k: u8, b: &[u8]) -> Result<CtrlMsg, Error> {
         let mut r = Reader::new(b);
-        let m = match kind {
-            1 => CtrlMsg::Hello {
+        let m = match k {
+            kind::HELLO => CtrlMsg::Hello {
                 nonce: r.fixed()?,
                 auth: r.bool()?,
+                dh: r.fixed()?,
+            },
+            kind::CHALLENGE => CtrlMsg::Challenge {
+                nonce: r.fixed()?,
+                auth_required: r.bool()?,
+                dh: r.fixed()?,
+            },
+            kind::PROOF => CtrlMsg::Proof { mac: r.fixed()? },
+            kind::ACCEPT => CtrlMsg::Accept {
+                host: r.host()?,
+                transports: r.u8()?,
+                lanes: r.u16()?,
+                blobs: r.blobs()?,
+                mac: r.fixed()?,
+            },
+            kind::AUTH => CtrlMsg::Auth {
                 host: r.host()?,
                 listen_port: r.u16()?,
                 transports: r.u8()?,
+                lanes: r.u16()?,
                 blobs: r.blobs()?,
-            },
-            2 => CtrlMsg::HelloReply {
-                nonce: r.fixed()?,
-                mac: r.bytes(64)?,
-                auth_required: r.bool()?,
-                host: r.host()?,
-                transports: r.u8()?,
-                token: r.fixed()?,
-                blobs: r.blobs()?,
-            },
-            3 => CtrlMsg::Auth {
-                mac: r.bytes(64)?,
-                transport: r.u8()?,
-                token: r.fixed()?,
                 regions: r.regions()?,
+                mac: r.fixed()?,
             },
-            4 => CtrlMsg::Welcome {
+            kind::WELCOME => CtrlMsg::Welcome {
                 regions: r.regions()?,
+                mac: r.fixed()?,
             },
-            5 => CtrlMsg::Reject {
+            kind::REJECT => CtrlMsg::Reject {
                 error: r.bytes(MAX_ERROR_PAYLOAD as usize)?,
             },
-            6 => CtrlMsg::LaneJoin {
-                token: r.fixed()?,
+            kind::LANE_JOIN => CtrlMsg::LaneJoin {
+                sid: r.fixed()?,
                 lane: r.u16()?,
+                nonce: r.fixed()?,
             },
-            7 => CtrlMsg::LaneOk,
-            8 => CtrlMsg::RegionsAdded(r.regions()?),
-            9 => {
+            kind::LANE_CHALLENGE => CtrlMsg::LaneChallenge {
+                nonce: r.fixed()?,
+                mac: r.fixed()?,
+            },
+            kind::LANE_PROOF => CtrlMsg::LaneProof { mac: r.fixed()? },
+            kind::LANE_OK => CtrlMsg::LaneOk,
+            kind::REGIONS_ADDED => CtrlMsg::RegionsAdded(r.regions()?),
+            kind::REGIONS_REMOVED => {
                 let n = r.count(8)?;
                 let mut ids = Vec::with_capacity(n);
                 for _ in 0..n {
@@ -192,9 +217,9 @@ impl CtrlMsg {
                 }
                 CtrlMsg::RegionsRemoved(ids)
             }
-            10 => CtrlMsg::Notify(r.bytes(MAX_TAG as usize)?),
-            11 => CtrlMsg::RegionsSet(r.regions()?),
-            12 => CtrlMsg::Transport {
+            kind::NOTIFY => CtrlMsg::Notify(r.bytes(MAX_TAG as usize)?),
+            kind::REGIONS_SET => CtrlMsg::RegionsSet(r.regions()?),
+            kind::TRANSPORT => CtrlMsg::Transport {
                 bit: r.u8()?,
                 data: r.bytes(MAX_TRANSPORT_MSG)?,
             },
@@ -219,7 +244,7 @@ impl CtrlMsg {
     /// Decodes a whole message (header + body) from a buffer.
     #[doc(hidden)]
     pub fn decode(b: &[u8]) -> Result<CtrlMsg, Error> {
-        let (version, kind, len) = Self::decode_header(b)?;
+        let (version, k, len) = Self::decode_header(b)?;
         let body = &b[CTRL_HEADER_LEN..];
         if body.len() != len as usize {
             return Err(ProtocolError::BadLength {
@@ -228,28 +253,96 @@ impl CtrlMsg {
             }
             .into());
         }
-        if version != PROTOCOL_VERSION && kind != 5 {
+        if version != PROTOCOL_VERSION && k != kind::REJECT {
             return Err(Error::VersionMismatch {
                 ours: PROTOCOL_VERSION,
                 theirs: version,
             });
         }
-        Self::decode_body(kind, body)
+        Self::decode_body(k, body)
     }
 }
 
-/// Reads one control message from a blocking stream (bounded).
-pub fn read_ctrl(r: &mut impl std::io::Read) -> Result<CtrlMsg, Error> {
+/// Which messages a reader accepts at a point of a conversation, each with the largest body it
+/// reads for it (a `Reject` is always accepted, with a body of at most [`body::REJECT`]).
+#[doc(hidden)]
+#[derive(Clone, Copy, Debug)]
+pub struct Expect<'a> {
+    /// Where in the conversation (named in the error for another kind).
+    pub stage: Stage,
+    /// `(kind, largest body)` of each accepted message.
+    pub kinds: &'a [(u8, u32)],
+}
+
+/// Any message, with the body bound of the header ([`MAX_CTRL_BODY`]).
+#[doc(hidden)]
+pub const ANY: Expect<'static> = Expect {
+    stage: Stage::FirstMessage,
+    kinds: &[],
+};
+
+/// Reads one control message from a blocking stream, bounded: a kind outside `expect` or a
+/// body longer than its bound is refused from the header alone, before a byte of the body is
+/// read or allocated, and the body buffer grows only as bytes arrive. Returns the message and
+/// its encoded bytes (header and body, for transcripts).
+#[doc(hidden)]
+pub fn read_ctrl_limited(
+    r: &mut impl std::io::Read,
+    expect: Expect<'_>,
+) -> Result<(CtrlMsg, Vec<u8>), Error> {
     let mut h = [0u8; CTRL_HEADER_LEN];
     r.read_exact(&mut h)?;
-    let (version, kind, len) = CtrlMsg::decode_header(&h)?;
-    if version != PROTOCOL_VERSION && kind != 5 {
+    let (version, k, len) = CtrlMsg::decode_header(&h)?;
+    if version != PROTOCOL_VERSION && k != kind::REJECT {
         return Err(Error::VersionMismatch {
             ours: PROTOCOL_VERSION,
             theirs: version,
         });
     }
-    let mut body = vec![0u8; len as usize];
-    r.read_exact(&mut body)?;
-    CtrlMsg::decode_body(kind, &body)
+    let max = if k == kind::REJECT {
+        body::REJECT
+    } else if expect.kinds.is_empty() {
+        MAX_CTRL_BODY
+    } else {
+        match expect.kinds.iter().find(|(kk, _)| *kk == k) {
+            Some((_, m)) => *m,
+            None => {
+                return Err(ProtocolError::UnexpectedKind {
+                    stage: expect.stage,
+                    kind: k,
+                }
+                .into())
+            }
+        }
+    };
+    if len > max {
+        return Err(ProtocolError::TooLong {
+            at: Layout::CtrlBody,
+            len: u64::from(len),
+            max: u64::from(max),
+        }
+        .into());
+    }
+    let mut raw = Vec::with_capacity(CTRL_HEADER_LEN + (len as usize).min(READ_STEP));
+    raw.extend_from_slice(&h);
+    // `take` + `read_to_end`: the buffer grows with what arrives, never to `len` up front.
+    let got = r.take(u64::from(len)).read_to_end(&mut raw)?;
+    if got != len as usize {
+        return Err(std::io::Error::new(
+            std::io::ErrorKind::UnexpectedEof,
+            "control message body truncated",
+        )
+        .into());
+    }
+    let m = CtrlMsg::decode_body(k, &raw[CTRL_HEADER_LEN..])?;
+    Ok((m, raw))
+}
+
+/// Initial capacity of a body buffer (it grows as bytes arrive).
+const READ_STEP: usize = 64 << 10;
+
+/// Reads one control message of any kind from a blocking stream (body bounded by
+/// [`MAX_CTRL_BODY`]; the engine itself always reads with [`read_ctrl_limited`]).
+pub fn read_ctrl(r: &mut impl std::io::Read) -> Result<CtrlMsg, Error> {
+    read_ctrl_limited(r, ANY).map(|(m, _)| m)
 }

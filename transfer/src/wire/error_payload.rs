@@ -1,9 +1,17 @@
 //! Errors on the wire: the payload of `Error` frames and `Reject` messages.
 
+use std::net::{IpAddr, Ipv6Addr, SocketAddr};
+
 use super::problem::ProtocolError;
 use super::rw::{Reader, Writer};
 use crate::error::Error;
+use crate::limits::Resource;
 use crate::types::RegionId;
+
+const NO_REGION: RegionId = RegionId {
+    index: 0,
+    generation: 0,
+};
 
 /// Encodes an error for an `Error` frame or a `Reject` message.
 pub fn encode_error(e: &Error) -> Vec<u8> {
@@ -68,16 +76,27 @@ pub fn encode_error(e: &Error) -> Vec<u8> {
             0,
             0,
         ),
-        _ => (
-            10,
-            RegionId {
-                index: 0,
-                generation: 0,
-            },
-            0,
-            0,
-            0,
-        ),
+        // The resource's code in `offset`, its bound in `len`.
+        Error::ResourceLimit { resource, limit } => {
+            (11, NO_REGION, u64::from(resource.code()), *limit, 0)
+        }
+        // The address as an IPv6 (IPv4-mapped for v4) in `offset` (high) and `len` (low), the
+        // port in `region_len`.
+        Error::Fenced { addr } => {
+            let ip = match addr.ip() {
+                IpAddr::V4(a) => a.to_ipv6_mapped(),
+                IpAddr::V6(a) => a,
+            };
+            let b = u128::from(ip);
+            (
+                12,
+                NO_REGION,
+                (b >> 64) as u64,
+                b as u64,
+                u64::from(addr.port()),
+            )
+        }
+        _ => (10, NO_REGION, 0, 0, 0),
     };
     w.u8(code);
     w.u32(region.index);
@@ -126,6 +145,23 @@ pub fn decode_error(b: &[u8], flip: bool) -> Result<Error, Error> {
         7 => Error::Unsupported(format!("peer: {msg}")),
         8 => Error::Shutdown,
         9 => Error::InvalidArgument(format!("peer: {msg}")),
+        11 => match u8::try_from(offset).ok().and_then(Resource::from_code) {
+            Some(resource) => Error::ResourceLimit {
+                resource,
+                limit: len,
+            },
+            None => ProtocolError::PeerReported { msg }.into(),
+        },
+        12 => {
+            let v6 = Ipv6Addr::from((u128::from(offset) << 64) | u128::from(len));
+            let ip = match v6.to_ipv4_mapped() {
+                Some(v4) => IpAddr::V4(v4),
+                None => IpAddr::V6(v6),
+            };
+            Error::Fenced {
+                addr: SocketAddr::new(ip, region_len as u16),
+            }
+        }
         _ => ProtocolError::PeerReported { msg }.into(),
     })
 }

@@ -19,7 +19,8 @@
 //! * `ctrl`: control messages (encode, decode, reading one from a stream);
 //! * `error_payload`: errors carried in `Error` frames and `Reject` messages;
 //! * `rw`: the little-endian reader and writer every decoder uses;
-//! * `fence`: the engine's own control messages (fences), inside `CtrlMsg::Transport`;
+//! * `fence`: the engine's own control messages (fences, their answers and refusals,
+//!   heartbeats), inside `CtrlMsg::Transport`;
 //! * `rdma`: the RDMA handshake blob and the RDMA control messages (reconnection, keys);
 //! * `shm`: the shared-memory handshake blob (the memory-access probe).
 
@@ -43,10 +44,31 @@ pub use problem::{Field, LaneSide, Layout, ProtocolError, Stage};
 // The codec's entry points and header layouts are public for the tests only (fuzzing the
 // decoders, raw peers that speak the protocol by hand); the engine is their one real user.
 #[doc(hidden)]
-pub use ctrl::read_ctrl;
+pub use ctrl::{read_ctrl, read_ctrl_limited, Expect, ANY};
 #[doc(hidden)]
 pub use error_payload::{decode_error, encode_error};
 #[doc(hidden)]
 pub use msg::{
-    FrameHeader, CTRL_HEADER_LEN, CTRL_MAGIC, FLAG_TRACKED, FRAME_HEADER_LEN, FRAME_MAGIC,
+    body, kind, FrameHeader, CTRL_HEADER_LEN, CTRL_MAGIC, FLAG_TRACKED, FRAME_HEADER_LEN,
+    FRAME_MAGIC,
 };
+
+/// Runs the second-stage decoders of `CtrlMsg::Transport` payloads and of handshake blobs on
+/// `data` (engine messages, RDMA control messages for `lanes` lanes and `devs` devices, the
+/// RDMA and shm handshake blobs): for fuzzing; returns how many accepted it.
+#[doc(hidden)]
+pub fn decode_second_stage(data: &[u8], lanes: usize, devs: usize) -> usize {
+    let engine = fence::EngineMsg::decode(data)
+        .map(|m| {
+            // What decodes encodes back to the same bytes.
+            assert_eq!(m.encode(), data, "engine message round trip");
+        })
+        .is_ok();
+    let rdma_msg = rdma::RdmaMsg::decode(data, lanes, devs).is_ok();
+    let blob = rdma::parse_blob(data).is_ok();
+    let probe = shm::decode_probe(data).is_some();
+    [engine, rdma_msg, blob, probe]
+        .iter()
+        .filter(|x| **x)
+        .count()
+}

@@ -2,10 +2,13 @@
 
 use crate::types::{Access, RegionId};
 
-/// Protocol version spoken by this build. 3: notification fences (a `Transport` control message
-/// with bit 0x80) and per-device RDMA key requests; a version-2 peer is refused at the handshake
-/// instead of dropping the control connection later.
-pub const PROTOCOL_VERSION: u16 = 3;
+/// Protocol version spoken by this build. 4: the initiator proves the secret first (X25519 key
+/// shares mixed with the secret, every later handshake message MAC'd over the transcript), host
+/// details and transport blobs only after the proof, data lanes joined with a proof bound to the
+/// session, fence refusals (`FENCE_NACK`) and heartbeats (`PING`), error codes 11 (resource
+/// limit) and 12 (fenced). 3: notification fences (a `Transport` control message with bit 0x80)
+/// and per-device RDMA key requests. A peer of another version is refused at the handshake.
+pub const PROTOCOL_VERSION: u16 = 4;
 /// Magic of data-lane frames.
 pub const FRAME_MAGIC: [u8; 4] = *b"KVWF";
 /// Magic of control messages.
@@ -118,55 +121,81 @@ pub const TRANSPORT_SHM: u8 = 2;
 pub const TRANSPORT_RDMA: u8 = 4;
 
 /// Control messages.
+///
+/// The handshake (see `engine/handshake.rs` for the rules and the key schedule in `auth`):
+///
+/// | # | dir | message | body |
+/// |---|-----|---------|------|
+/// | 1 | I→R | `Hello` | nonce_i 32, auth 1, dh_i 32 |
+/// | 2 | R→I | `Challenge` | nonce_r 32, auth_required 1, dh_r 32 |
+/// | 3 | I→R | `Proof` | mac 32 |
+/// | 4 | R→I | `Accept` | host, transports 1, lanes 2, blobs, mac 32 |
+/// | 5 | I→R | `Auth` | host, listen_port 2, transports 1, lanes 2, blobs, regions, mac 32 |
+/// | 6 | R→I | `Welcome` | regions, mac 32 |
+///
+/// A data lane: `LaneJoin` (sid 16, lane 2, nonce_j 32), `LaneChallenge` (nonce_l 32, mac 32),
+/// `LaneProof` (mac 32), `LaneOk`. `Reject` may answer any of them.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub enum CtrlMsg {
-    /// Initiator's opening message.
+    /// Initiator's opening message (nothing about it but its nonce and key share).
     Hello {
         /// Initiator's nonce.
         nonce: [u8; 32],
         /// Initiator holds a secret.
         auth: bool,
+        /// Initiator's ephemeral X25519 public key.
+        dh: [u8; 32],
+    },
+    /// Responder's answer to `Hello`: its nonce and key share, nothing derived from the secret.
+    Challenge {
+        /// Responder's nonce.
+        nonce: [u8; 32],
+        /// Responder requires the initiator to prove the secret.
+        auth_required: bool,
+        /// Responder's ephemeral X25519 public key.
+        dh: [u8; 32],
+    },
+    /// Initiator's proof of the secret over the transcript so far.
+    Proof {
+        /// `HMAC(k_i, "proof" | th_2)`.
+        mac: [u8; 32],
+    },
+    /// Responder accepts the proof: where it runs and what it offers, with its own proof.
+    Accept {
+        /// Where the responder runs.
+        host: HostIdentity,
+        /// Transports the responder accepts (`TRANSPORT_*` bits).
+        transports: u8,
+        /// Data lanes the responder opens to the initiator (at most).
+        lanes: u16,
+        /// Transport-specific blobs `(transport bit, bytes)`, e.g. RDMA GID/QPN.
+        blobs: Vec<(u8, Vec<u8>)>,
+        /// `HMAC(k_r, "accept" | th_3 | this message without the mac)`.
+        mac: [u8; 32],
+    },
+    /// Initiator's description of itself, after it verified the responder.
+    Auth {
         /// Where the initiator runs.
         host: HostIdentity,
         /// Initiator's listen port (for lanes the responder opens back).
         listen_port: u16,
-        /// Transports the initiator accepts (`TRANSPORT_*` bits).
+        /// Transports the initiator accepts.
         transports: u8,
-        /// Transport-specific blobs `(transport bit, bytes)`, e.g. RDMA GID/QPN.
-        blobs: Vec<(u8, Vec<u8>)>,
-    },
-    /// Responder's answer, proving its secret.
-    HelloReply {
-        /// Responder's nonce.
-        nonce: [u8; 32],
-        /// HMAC proof (empty when the responder has no secret).
-        mac: Vec<u8>,
-        /// Responder requires the initiator to prove the secret.
-        auth_required: bool,
-        /// Where the responder runs.
-        host: HostIdentity,
-        /// Transports the responder accepts.
-        transports: u8,
-        /// Token the initiator presents when it opens data lanes.
-        token: [u8; 16],
+        /// Data lanes the initiator opens to the responder (at most).
+        lanes: u16,
         /// Transport-specific blobs.
         blobs: Vec<(u8, Vec<u8>)>,
-    },
-    /// Initiator's proof and choices.
-    Auth {
-        /// HMAC proof (empty without secret).
-        mac: Vec<u8>,
-        /// Chosen transport bit.
-        transport: u8,
-        /// Token the responder presents when it opens lanes back.
-        token: [u8; 16],
         /// Regions the initiator offers.
         regions: Vec<WireRegion>,
+        /// `HMAC(k_i, "auth" | th_4 | this message without the mac)`.
+        mac: [u8; 32],
     },
     /// Responder accepts; its regions.
     Welcome {
         /// Regions the responder offers.
         regions: Vec<WireRegion>,
+        /// `HMAC(k_r, "welcome" | th_5 | this message without the mac)`.
+        mac: [u8; 32],
     },
     /// Refusal with a typed error (encoded with [`super::encode_error`]).
     Reject {
@@ -175,10 +204,24 @@ pub enum CtrlMsg {
     },
     /// First message of a data lane.
     LaneJoin {
-        /// Token from the handshake.
-        token: [u8; 16],
+        /// The session id of the lanes' direction (derived by both sides, never sent before).
+        sid: [u8; 16],
         /// Lane index.
         lane: u16,
+        /// Joiner's nonce.
+        nonce: [u8; 32],
+    },
+    /// The listener's answer to `LaneJoin`: its nonce and its proof of the lane key.
+    LaneChallenge {
+        /// Listener's nonce.
+        nonce: [u8; 32],
+        /// `HMAC(K_d, "kvwire/4 lane listener" | sid | lane | nonce_j | nonce_l)`.
+        mac: [u8; 32],
+    },
+    /// The joiner's proof of the lane key.
+    LaneProof {
+        /// `HMAC(K_d, "kvwire/4 lane joiner" | sid | lane | nonce_j | nonce_l)`.
+        mac: [u8; 32],
     },
     /// Lane accepted.
     LaneOk,
@@ -198,4 +241,74 @@ pub enum CtrlMsg {
         /// Its payload (at most [`MAX_TRANSPORT_MSG`] bytes).
         data: Vec<u8>,
     },
+}
+
+/// Control message kinds (the byte after the version in the header).
+#[doc(hidden)]
+pub mod kind {
+    /// `Hello`.
+    pub const HELLO: u8 = 1;
+    /// Retired (v3's `HelloReply`).
+    pub const RETIRED_HELLO_REPLY: u8 = 2;
+    /// `Auth`.
+    pub const AUTH: u8 = 3;
+    /// `Welcome`.
+    pub const WELCOME: u8 = 4;
+    /// `Reject`.
+    pub const REJECT: u8 = 5;
+    /// `LaneJoin`.
+    pub const LANE_JOIN: u8 = 6;
+    /// `LaneOk`.
+    pub const LANE_OK: u8 = 7;
+    /// `RegionsAdded`.
+    pub const REGIONS_ADDED: u8 = 8;
+    /// `RegionsRemoved`.
+    pub const REGIONS_REMOVED: u8 = 9;
+    /// `Notify`.
+    pub const NOTIFY: u8 = 10;
+    /// `RegionsSet`.
+    pub const REGIONS_SET: u8 = 11;
+    /// `Transport`.
+    pub const TRANSPORT: u8 = 12;
+    /// `Challenge`.
+    pub const CHALLENGE: u8 = 13;
+    /// `Proof`.
+    pub const PROOF: u8 = 14;
+    /// `Accept`.
+    pub const ACCEPT: u8 = 15;
+    /// `LaneChallenge`.
+    pub const LANE_CHALLENGE: u8 = 16;
+    /// `LaneProof`.
+    pub const LANE_PROOF: u8 = 17;
+}
+
+/// Exact body lengths of the fixed-size handshake messages, and the largest body of any
+/// message read before the peer proved the secret.
+#[doc(hidden)]
+pub mod body {
+    /// `Hello` and `Challenge`: nonce, flag, key share.
+    pub const HELLO: u32 = 65;
+    /// `Challenge`.
+    pub const CHALLENGE: u32 = 65;
+    /// `Proof`, `LaneProof`: a MAC.
+    pub const PROOF: u32 = 32;
+    /// `LaneJoin`: sid, lane, nonce.
+    pub const LANE_JOIN: u32 = 50;
+    /// `LaneChallenge`: nonce, MAC.
+    pub const LANE_CHALLENGE: u32 = 64;
+    /// `Reject`: a length and an error payload.
+    pub const REJECT: u32 = 4 + super::MAX_ERROR_PAYLOAD;
+    /// `Accept`, and `Auth` without its regions (host, transports, lanes and blobs, with the
+    /// RDMA blob of the largest configuration: under 2 KB).
+    pub const HANDSHAKE: u32 = 64 << 10;
+    /// Bytes of one region in a region list.
+    pub const REGION: u32 = 41;
+    /// A region list of `n` regions (count and entries).
+    pub const fn regions(n: u32) -> u32 {
+        4 + REGION * n
+    }
+    /// Largest body read from a peer that has not proved the secret yet (a `Reject` aside).
+    pub const MAX_PREAUTH: u32 = 256;
+    const _: () = assert!(HELLO <= MAX_PREAUTH && LANE_JOIN <= MAX_PREAUTH);
+    const _: () = assert!(PROOF <= MAX_PREAUTH && LANE_CHALLENGE <= MAX_PREAUTH);
 }

@@ -1,8 +1,10 @@
 //! Shared test helpers: byte patterns (from `kvwire-testkit`) and a target engine running in a child process
 //! (the test binary re-executed with `KVWIRE_TEST_CHILD=1`, driven over stdin/stdout); races
-//! against `unregister` ([`race`]) and a hand-written tcp peer ([`raw_peer`]).
+//! against `unregister` ([`race`]), a hand-written tcp peer ([`raw_peer`]) and the helpers of
+//! the hostile-client tests ([`hostile`]).
 #![allow(dead_code)]
 
+pub mod hostile;
 pub mod race;
 pub mod raw_peer;
 

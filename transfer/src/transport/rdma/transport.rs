@@ -17,6 +17,7 @@ use super::state::{Lane, LaneState, PeerShared, RdmaPeer, Shared};
 use crate::config::{EngineConfig, RDMA_SIGNAL_ENV};
 use crate::error::Error;
 use crate::mem::RegionMrs;
+use crate::net::{spawn_counted, Threads};
 use crate::region::RegionEntry;
 use crate::transport::api::{EstablishCtx, PeerTransport, Transport};
 use crate::types::{RegionId, TransportKind};
@@ -55,7 +56,7 @@ impl RdmaTransport {
     /// Opens the configured devices; `Ok(None)` when RDMA is not available here (no library, no
     /// usable device), with the reason logged. A device named in the configuration that cannot
     /// be opened is an error.
-    pub fn open(cfg: &EngineConfig) -> Result<Option<RdmaTransport>, Error> {
+    pub fn open(cfg: &EngineConfig, threads: &Threads) -> Result<Option<RdmaTransport>, Error> {
         let path = cfg
             .ibverbs_path
             .as_deref()
@@ -140,9 +141,9 @@ impl RdmaTransport {
         });
         for d in &sh.devs {
             let (s2, i) = (sh.clone(), d.index);
-            let spawned = std::thread::Builder::new()
-                .name(format!("kvwire-rdma-cq{i}"))
-                .spawn(move || completion_loop(s2, i));
+            let spawned = spawn_counted(format!("kvwire-rdma-cq{i}"), threads, move || {
+                completion_loop(s2, i)
+            });
             if let Err(e) = spawned {
                 sh.stop.store(true, Ordering::Release);
                 return Err(e.into());

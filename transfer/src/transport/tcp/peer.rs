@@ -1,23 +1,23 @@
 //! [`TcpPeer`]: a peer's lanes (opened on first use or at connect), striping and posting;
 //! [`TcpTransport`].
 
-use std::io::Write;
 use std::net::{Shutdown, SocketAddr, TcpStream};
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::Arc;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use parking_lot::Mutex;
 
 use super::lane::{reader_loop, send_jobs, sender_loop, Job, Lane, LaneShared, OutFrame};
+use crate::auth::{self, LaneCred};
 use crate::batch::{BatchState, Pending, Posted, ReadSlice};
 use crate::error::Error;
+use crate::net::{refuse, spawn_counted, tune, DeadlineIo, Threads};
+use crate::session;
 use crate::transport::api::{EstablishCtx, OnDead, PeerTransport, Transport};
 use crate::transport::marks::CopyMarks;
 use crate::types::{BatchStats, Dir, TransportKind};
-use crate::wire::{
-    self, CtrlMsg, FrameHeader, FrameKind, ProtocolError, Stage, FLAG_TRACKED, TRANSPORT_TCP,
-};
+use crate::wire::{self, FrameHeader, FrameKind, FLAG_TRACKED, TRANSPORT_TCP};
 
 /// Batches up to this many bytes are written by the submitting thread when a lane is idle.
 const INLINE_MAX: u64 = 256 << 10;
@@ -27,7 +27,7 @@ const MIN_STRIPE: u64 = 64 << 10;
 /// How to open lanes to a peer.
 pub(crate) struct LaneTarget {
     pub addr: SocketAddr,
-    pub token: [u8; 16],
+    pub cred: LaneCred,
     pub lanes: usize,
     pub timeout: Duration,
 }
@@ -43,6 +43,7 @@ pub(crate) struct TcpPeer {
     pending: Arc<Pending>,
     on_dead: OnDead,
     marks: Arc<CopyMarks>,
+    threads: Threads,
 }
 
 impl TcpPeer {
@@ -52,6 +53,7 @@ impl TcpPeer {
         pending: Arc<Pending>,
         on_dead: OnDead,
         marks: Arc<CopyMarks>,
+        threads: Threads,
     ) -> TcpPeer {
         TcpPeer {
             target,
@@ -62,6 +64,7 @@ impl TcpPeer {
             pending,
             on_dead,
             marks,
+            threads,
         }
     }
 
@@ -89,17 +92,17 @@ impl TcpPeer {
             });
             let (tx, rx) = crossbeam_channel::unbounded();
             let (sh2, od) = (sh.clone(), self.on_dead.clone());
-            std::thread::Builder::new()
-                .name(format!("kvwire-tx{i}"))
-                .spawn(move || sender_loop(sh2, rx, od))?;
+            spawn_counted(format!("kvwire-tx{i}"), &self.threads, move || {
+                sender_loop(sh2, rx, od)
+            })?;
             let (p, od, m) = (
                 self.pending.clone(),
                 self.on_dead.clone(),
                 self.marks.lane(),
             );
-            std::thread::Builder::new()
-                .name(format!("kvwire-rx{i}"))
-                .spawn(move || reader_loop(s, p, od, m))?;
+            spawn_counted(format!("kvwire-rx{i}"), &self.threads, move || {
+                reader_loop(s, p, od, m)
+            })?;
             lanes.push(Lane { sh, tx });
         }
         let l = Arc::new(lanes);
@@ -155,28 +158,19 @@ impl TcpPeer {
     }
 }
 
+/// Opens lane `lane` to the peer: the join (both proofs) within `t.timeout` as a whole.
 fn open_lane(t: &LaneTarget, lane: u16) -> Result<TcpStream, Error> {
-    let mut s = TcpStream::connect_timeout(&t.addr, t.timeout)?;
-    s.set_nodelay(true)?;
-    s.set_read_timeout(Some(t.timeout))?;
-    s.set_write_timeout(Some(t.timeout))?;
-    s.write_all(
-        &CtrlMsg::LaneJoin {
-            token: t.token,
-            lane,
+    let s = TcpStream::connect_timeout(&t.addr, t.timeout)?;
+    tune(&s)?;
+    let mut io = DeadlineIo::new(&s, Instant::now() + t.timeout);
+    if let Err(f) = session::join_lane(&mut io, &t.cred, lane, auth::random()) {
+        if let Some(b) = f.reject() {
+            refuse(&s, &b);
         }
-        .encode(),
-    )?;
-    match wire::read_ctrl(&mut s)? {
-        CtrlMsg::LaneOk => {}
-        CtrlMsg::Reject { error } => return Err(wire::decode_error(&error, true)?),
-        m => {
-            return Err(ProtocolError::Unexpected {
-                stage: Stage::LaneJoinAnswer,
-                got: Some(Box::new(m)),
-            }
-            .into())
-        }
+        return Err(match f.into_error() {
+            Error::Io(e) if e.kind() == std::io::ErrorKind::TimedOut => Error::Timeout,
+            e => e,
+        });
     }
     s.set_read_timeout(None)?;
     s.set_write_timeout(None)?;
@@ -302,7 +296,7 @@ impl Transport for TcpTransport {
         Ok(Arc::new(TcpPeer::new(
             LaneTarget {
                 addr: ctx.lane_addr,
-                token: ctx.remote_token,
+                cred: ctx.lane_cred,
                 lanes: ctx.cfg.lanes,
                 timeout: ctx.cfg.connect_timeout,
             },
@@ -310,6 +304,7 @@ impl Transport for TcpTransport {
             ctx.pending,
             ctx.on_dead,
             ctx.marks,
+            ctx.threads,
         )))
     }
 }

@@ -29,9 +29,16 @@ pub(crate) fn serve_lane(s: TcpStream, ctx: TargetCtx) {
     let peer = ctx.peer;
     match serve_lane_inner(&s, &ctx) {
         Ok(()) => tracing::debug!(?peer, "lane closed"),
-        Err(e) => tracing::warn!(?peer, error = %e, "lane closed on error"),
+        Err(e) => tracing::debug!(?peer, error = %e, "lane closed on error"),
     }
     let _ = s.shutdown(Shutdown::Both);
+}
+
+/// Enters the peer's gate for one copy; once the peer is closed or fenced the lane ends here.
+fn peer_gate(ctx: &TargetCtx) -> Result<crate::region::GateGuard<'_>, Error> {
+    ctx.gate
+        .enter()
+        .ok_or_else(|| Error::PeerDead("peer closed".into()))
 }
 
 fn serve_lane_inner(s: &TcpStream, ctx: &TargetCtx) -> Result<(), Error> {
@@ -81,9 +88,10 @@ fn serve_lane_inner(s: &TcpStream, ctx: &TargetCtx) -> Result<(), Error> {
                 let refused = match checked {
                     Ok(e) => match e.enter() {
                         Ok(g) => {
+                            let pg = peer_gate(ctx)?;
                             let m = Marked::new(&mark, mark_of(e.id));
                             rd.payload_into(&e.mem, h.offset, h.len as usize)?;
-                            drop((m, g));
+                            drop((m, g, pg));
                             None
                         }
                         Err(err) => Some(err),
@@ -92,10 +100,15 @@ fn serve_lane_inner(s: &TcpStream, ctx: &TargetCtx) -> Result<(), Error> {
                 };
                 match refused {
                     None => {
-                        if h.flags & FLAG_TRACKED != 0 {
-                            ctx.tracker.landed(ctx, h.batch)?;
+                        let tracked = if h.flags & FLAG_TRACKED != 0 {
+                            ctx.tracker.landed(ctx, h.batch)
+                        } else {
+                            Ok(())
+                        };
+                        match tracked {
+                            Ok(()) => ack(&mut out, &mut last_ack, h.batch),
+                            Err(err) => out.extend_from_slice(&error_frame(h.batch, &err)),
                         }
-                        ack(&mut out, &mut last_ack, h.batch);
                     }
                     Some(err) => {
                         tracing::debug!(batch = h.batch, error = %err, "refused write slice");
@@ -121,6 +134,7 @@ fn serve_lane_inner(s: &TcpStream, ctx: &TargetCtx) -> Result<(), Error> {
                 let refused = match checked {
                     Ok(e) => match e.enter() {
                         Ok(g) => {
+                            let pg = peer_gate(ctx)?;
                             let m = Marked::new(&mark, mark_of(e.id));
                             let hdr =
                                 FrameHeader::simple(FrameKind::ReadData, h.batch, h.len, h.aux)
@@ -132,7 +146,7 @@ fn serve_lane_inner(s: &TcpStream, ctx: &TargetCtx) -> Result<(), Error> {
                                     IoPart::Region(&e.mem, h.offset, h.len as usize),
                                 ],
                             )?;
-                            drop((m, g));
+                            drop((m, g, pg));
                             None
                         }
                         Err(err) => Some(err),
