@@ -4,8 +4,8 @@
 //!
 //! `cargo run --release -p kvwire-connector --example policies [requests]`
 
-use kvwire_testkit::sim::{self, SimConfig, SimReport};
 use kvwire_connector::{Policy, SendMode};
+use kvwire_testkit::sim::{self, SimConfig, SimReport};
 
 fn row(name: &str, r: &SimReport) {
     println!(

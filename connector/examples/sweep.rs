@@ -4,8 +4,8 @@
 //! `cargo run --release -p kvwire-connector --example sweep [seeds] [requests] [harsh]`
 //! (`harsh`: ten times the failure rates and 1% message loss).
 
-use kvwire_testkit::sim::{self, SimConfig};
 use kvwire_connector::{Policy, SendMode};
+use kvwire_testkit::sim::{self, SimConfig};
 
 fn main() {
     let mut args = std::env::args().skip(1);

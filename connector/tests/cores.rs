@@ -1,8 +1,8 @@
 //! Unit tests of the D and P state machines, driven by hand, and of the invariant checker.
 
 use kvwire_connector::msg::Message;
-use kvwire_testkit::sim::check::{BlockUse, Checker, Role, Violation};
 use kvwire_connector::*;
+use kvwire_testkit::sim::check::{BlockUse, Checker, Role, Violation};
 
 const P: PeerId = PeerId(7);
 const D: PeerId = PeerId(0);

@@ -1,9 +1,9 @@
 //! Simulator runs: invariants under injected failures for every policy × send mode,
 //! reproducibility, and the behaviour that distinguishes the policies and send modes.
 
+use kvwire_connector::{Outcome, Policy, SendMode};
 use kvwire_testkit::sim::check::Violation;
 use kvwire_testkit::sim::{self, HostBug, SimConfig, SimReport};
-use kvwire_connector::{Outcome, Policy, SendMode};
 
 const FAULTY_REQUESTS: usize = 10_000;
 

@@ -22,11 +22,11 @@ use std::collections::VecDeque;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use kvwire_testkit::queue::EventQueue;
 use kvwire_connector::{
     DConfig, DEvent, DSide, Nanos, PConfig, PEvent, PSide, PeerId, Policy, RequestId, SendMode,
     TimelineRecord, SEC,
 };
+use kvwire_testkit::queue::EventQueue;
 
 use super::datapath::{DataPath, StagedCrcs};
 use super::workload::RequestSpec;
