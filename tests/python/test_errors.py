@@ -27,6 +27,8 @@ BUILTIN = {
     "ShutdownError": None,
     "InvalidArgumentError": ValueError,
     "UnsupportedError": NotImplementedError,
+    "ResourceLimitError": None,
+    "FencedError": ConnectionRefusedError,
     "ConnectorError": None,
     "AbortedError": None,
     "LayerStreamError": None,
