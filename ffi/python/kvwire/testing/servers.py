@@ -48,7 +48,7 @@ class Server:
                  env: dict | None = None, log_dir: str = "/tmp", block_size: int = 16,
                  max_model_len: int = 8192, max_num_batched_tokens: int = 512,
                  max_num_seqs: int = 16, num_blocks: int | None = None, dtype: str = "bfloat16",
-                 async_scheduling: bool = False, prefix_caching: bool = True):
+                 async_scheduling: bool = False, prefix_caching: bool = True, log_stats: bool = False):
         self.name = name
         self.python = python
         self.port = port
@@ -62,8 +62,9 @@ class Server:
                "--block-size", str(block_size), "--max-model-len", str(max_model_len),
                "--max-num-seqs", str(max_num_seqs),
                "--max-num-batched-tokens", str(max_num_batched_tokens),
-               "--enable-prefix-caching" if prefix_caching else "--no-enable-prefix-caching",
-               "--disable-log-stats"]
+               "--enable-prefix-caching" if prefix_caching else "--no-enable-prefix-caching"]
+        if not log_stats:  # no stats loggers: /metrics then has none of vLLM's (or kvwire's) series
+            cmd += ["--disable-log-stats"]
         if num_blocks is not None:
             cmd += ["--num-gpu-blocks-override", str(num_blocks)]
         if kv_transfer_config is not None:

@@ -76,6 +76,7 @@ class KvwireConnectorMetadata(KVConnectorMetadata):
     land_copies: dict = field(default_factory=dict)
     # D: data addresses of P engines whose writes must be refused from now on.
     fences: list = field(default_factory=list)
+    unfences: list = field(default_factory=list)  # lifted after ``fences``
     # Where the workers report (the scheduler side's control address).
     scheduler_control: str = ""
     preempted_req_ids: set = field(default_factory=set)

@@ -172,7 +172,12 @@ class SchedulerSide:
         self.out_sending: set[str] = set()
         self.out_land: dict[str, tuple] = {}
         self.out_fence: list[str] = []
+        self.out_unfence: list[str] = []  # lifted after this step's fences
+        self.fenced: dict[str, list] = {}  # engine id -> its data addresses fenced
+        self.inc_of_engine: dict[str, int] = {}  # the incarnation of its last message
+        self.restarted: set[str] = set()  # engines heard in a new incarnation since the last actions
         self.stats_at = None
+        self.stats_pending = False  # requests moved since the last snapshot
         self.deltas = _stats.DeltaTracker("scheduler")
         self.timeline = None
         if o.timeline_path:
@@ -280,6 +285,10 @@ class SchedulerSide:
                 logger.warning("kvwire: peer %s at %s refuses connections: it is down", eid, addr)
                 for core in self._cores():
                     self._core_call(core.peer_down, pid, now, quiet=True)
+            if eid is not None:
+                # Whoever answers there next is identified afresh (a restart is a new peer):
+                # requests naming the address wait for its hello instead of joining the dead one.
+                self.control.engine_at.pop(addr, None)
         elif addr not in self.control.engine_at:
             self.unreachable.add(addr)
             for st in list(self.p_reqs.values()):
@@ -291,6 +300,20 @@ class SchedulerSide:
         if e.kind == env.REPORT:
             self._on_report(e.payload)
             return
+        prev = self.inc_of_engine.get(e.engine_id)
+        self.inc_of_engine[e.engine_id] = e.incarnation
+        if prev is not None and prev != e.incarnation:
+            self.restarted.add(e.engine_id)
+            # A new incarnation of that engine: a fence left on the old one is lifted (the old
+            # process is gone, and the new one's data engine announces the same addresses).
+            self.out_unfence.extend(self.fenced.pop(e.engine_id, []))
+            # The old incarnation's requests end with it; the new one is a new core peer, so
+            # requests that meet it from now on are not failed as the old one's.
+            old = self.pid_of_engine.pop(e.engine_id, None)
+            if old is not None:
+                logger.warning("kvwire: peer %s restarted (incarnation %x -> %x)", e.engine_id, prev, e.incarnation)
+                for core in self._cores():
+                    self._core_call(core.peer_down, old, now, quiet=True)
         if e.kind in (env.HELLO, env.HELLO_REPLY):
             pid = self._pid_for_engine(e.engine_id, e.control)
             self.heard.add(pid)
@@ -400,6 +423,7 @@ class SchedulerSide:
                 self._p_action(core, a, now)
             for rec in core.poll_timeline():
                 self._record(rec, "p")
+        self.restarted.clear()
 
     def _d_action(self, core, a, now: int) -> None:
         if isinstance(a, kcore.Send):
@@ -439,8 +463,16 @@ class SchedulerSide:
         elif isinstance(a, kcore.DisconnectPeer):
             # Nothing of that P may land any more: its workers' connections to ours are fenced
             # before the blocks the core releases next are reused.
-            hello = self.control.peer_hello.get(self.engine_of_pid.get(a.peer, ""), {})
-            self.out_fence.extend(hello.get("data") or [])
+            eid = self.engine_of_pid.get(a.peer, "")
+            addrs = list(self.control.peer_hello.get(eid, {}).get("data") or [])
+            self.out_fence.extend(addrs)
+            if eid in self.restarted:
+                # A new incarnation of it was heard since the last actions: the old process is gone,
+                # closing its connections (and waiting for its copies) is all the fence is for.
+                self.out_unfence.extend(addrs)
+            elif eid:
+                # It may still be alive: refused until a new incarnation of it shows up.
+                self.fenced[eid] = addrs
         # MayReserve: polled in get_num_new_matched_tokens
 
     def _p_action(self, core, a, now: int) -> None:
@@ -796,11 +828,13 @@ class SchedulerSide:
                 p_chunks=chunks,
                 land_copies=self.out_land,
                 fences=self.out_fence,
+                unfences=self.out_unfence,
             )
             for r in self.out_recv:
                 if r in self.d_reqs:
                     self.d_reqs[r].recv_sent = True
-            self.out_recv, self.out_failed, self.out_sending, self.out_land, self.out_fence = set(), {}, set(), {}, []
+            self.out_recv, self.out_failed, self.out_sending, self.out_land = set(), {}, set(), {}
+            self.out_fence, self.out_unfence = [], []
             return meta
 
     def _p_chunks(self, so, now: int) -> list:
@@ -953,9 +987,16 @@ class SchedulerSide:
 
     def stats(self):
         now = _now()
+        with self.lock:
+            busy = bool(self.d_reqs or self.p_reqs)
         if self.stats_at is not None and now - self.stats_at < self.opts.stats_interval_ns:
-            return None
+            # Rate-limited; but the first step after the last request left flushes what changed
+            # since the last snapshot, so that no gauge is left stale while the engine sits idle.
+            if busy or not self.stats_pending:
+                self.stats_pending |= busy
+                return None
         self.stats_at = now
+        self.stats_pending = busy  # something may still change after this snapshot
         with self.lock:
             flat = [_stats.flatten_d(core.metrics(now)) for core in self.d_cores.values()]
             flat += [_stats.flatten_p(core.metrics()) for core in self.p_cores.values()]

@@ -204,6 +204,11 @@ class WorkerSide:
         self.sched = meta.scheduler_control or self.sched
         if meta.fences:
             self._fence(meta.fences)
+        for addr in getattr(meta, "unfences", None) or []:
+            try:
+                self.engine.unfence(addr)
+            except (kvwire.KvwireError, AttributeError) as e:
+                logger.warning("kvwire: lifting the fence of %s failed: %s", addr, e)
         for req, (slots, blocks) in meta.land_copies.items():
             self._copy_landing(slots, blocks)
         if self.stager is None or not self.stager.consumer:
