@@ -15,7 +15,11 @@
 #                                         builds what it needs and calls tests/vm/run.sh)
 #   install tests/install_check.sh       (the fresh path of every cheap install step, run for
 #                                         real in scratch directories even when caches are warm)
+#   fuzz    tests/fuzz/run.sh            (hook: cargo fuzz, nightly, 5 s per target; installs
+#                                         nightly and cargo-fuzz when missing, else SKIPPED)
 #   python  tests/python/run.sh          (hook: Python package and vLLM connector tests)
+#   e2e     tests/e2e/run.sh             (real `vllm serve` P, D and a single instance on CPU,
+#                                         both vLLM versions, async scheduling on and off)
 #
 # A hook stage whose script does not exist yet is reported as "absent" (not as passed).
 # A stage that prints a line starting with "SKIPPED:" is reported as "ok, with skips".
@@ -31,7 +35,7 @@ export CARGO_TERM_COLOR=${CARGO_TERM_COLOR:-never}
 export KVWIRE_JOBS=${KVWIRE_JOBS:-2}
 J=-j$KVWIRE_JOBS
 LOGDIR=$(mktemp -d /tmp/kvwire-tests.XXXXXX)
-ALL_STAGES="deps fmt clippy build test netns vm install python"
+ALL_STAGES="deps fmt clippy build test netns vm install fuzz python e2e"
 STAGES=${KVWIRE_STAGES:-$ALL_STAGES}
 
 NAMES=()
@@ -119,7 +123,9 @@ stage netns  env KVWIRE_BENCH_BIN="$CARGO_TARGET_DIR/debug/kvwire-bench" bash te
 # ---- hooks for suites that plug in later ------------------------------------------
 hook vm      tests/vm/ci.sh         # RDMA verbs over SoftRoCE in a qemu VM
 stage install bash tests/install_check.sh
+hook fuzz    tests/fuzz/run.sh      # cargo fuzz: every decoder and the handshake, 5 s per target
 hook python  tests/python/run.sh    # Python package, vLLM connector (CPU)
+stage e2e    env KVWIRE_BENCH_BIN="$CARGO_TARGET_DIR/debug/kvwire-bench" bash tests/e2e/run.sh  # real vllm serve
 # -----------------------------------------------------------------------------------
 summary
 absent=$(for i in "${!NAMES[@]}"; do [ "${RESULTS[$i]}" = absent ] && printf '%s ' "${NAMES[$i]}"; done)

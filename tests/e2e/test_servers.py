@@ -1,0 +1,305 @@
+"""kvwire where users run it: real ``vllm serve`` processes on CPU (API server, engine-core
+process, unmodified scheduler), KvwireConnector loaded by ``kv_connector_module_path``, requests
+over HTTP with ``kv_transfer_params``.
+
+Three servers for the module: ``single`` (no connector: the reference instance), ``P``
+(kv_producer) and ``D`` (kv_consumer), all with the stand-in worker of :mod:`kvwire.testing`,
+whose next token is read from the KV in the cache: D's output equals the single instance's only
+if every byte D received is right. Async scheduling follows ``KVWIRE_E2E_ASYNC`` (1: on, vLLM's
+default; 0: off); ``tests/e2e/run.sh`` runs both on both vLLM versions.
+
+Every wait below is bounded so that a hang fails the test; none is an assertion about speed.
+"""
+
+from __future__ import annotations
+
+import glob
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+
+import pytest
+
+from kvwire.testing.control import Control
+from kvwire.testing.model import write_model_dir
+from kvwire.testing.servers import Server, ServerError, free_port, reference
+
+ASYNC = os.environ.get("KVWIRE_E2E_ASYNC", "1") == "1"
+BATCHED = 512  # max_num_batched_tokens: longer prompts are prefilled in chunks
+LONG = 1500  # three chunks
+POLICIES = ("eager", "lazy", "jit", "land")
+MODES = ("whole", "layerwise")
+WAIT_S = 180.0
+
+
+def wait_for(cond, timeout=WAIT_S, step=0.2):
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
+        if cond():
+            return True
+        time.sleep(step)
+    return cond()
+
+
+class Cluster:
+    def __init__(self, root: str):
+        py = sys.executable
+        self.root = root
+        self.model = write_model_dir(os.path.join(root, "model"))
+        self.timelines = os.path.join(root, "timelines")
+        self.p_ctl, self.d_ctl = Control(os.path.join(root, "p-ctl")), Control(os.path.join(root, "d-ctl"))
+        self.p_control, self.d_control = free_port(), free_port()
+        self.bootstrap = free_port()
+        common = {"async_scheduling": ASYNC, "log_dir": root, "max_num_batched_tokens": BATCHED,
+                  "num_blocks": 512, "max_model_len": 4096, "log_stats": True}
+
+        def kt(role, ctl, **extra):
+            return {"kv_connector": "KvwireConnector", "kv_connector_module_path": "kvwire.vllm", "kv_role": role,
+                    "kv_connector_extra_config": {"control_listen": f"127.0.0.1:{ctl}",
+                                                  "data_listen": f"127.0.0.1:{free_port()}",
+                                                  "timeline_path": self.timelines, "peer_timeout": 3,
+                                                  "heartbeat_interval": 0.5, **extra}}
+
+        self.single = Server("single", py, free_port(), self.model, **common)
+        self.p = Server("p", py, free_port(), self.model,
+                        kv_transfer_config={**kt("kv_producer", self.p_control, bootstrap_port=self.bootstrap),
+                                            "engine_id": "e2e-p"},
+                        env=self.p_ctl.env(), **common)
+        self.d = Server("d", py, free_port(), self.model,
+                        kv_transfer_config=kt("kv_consumer", self.d_control, land_pool_blocks=128, bootstrap_port=0),
+                        env=self.d_ctl.env(), **common)
+        self.servers = [self.single, self.p, self.d]
+        self._ref: dict[tuple, list] = {}
+
+    def start(self):
+        for s in self.servers:
+            s.start()
+        for s in self.servers:
+            s.wait_ready(600)
+
+    def stop(self):
+        for s in self.servers:
+            s.stop()
+
+    def single_output(self, prompt, n):
+        k = (tuple(prompt), n)
+        if k not in self._ref:
+            self._ref[k] = self.single.complete(prompt, n)["tokens"]
+        return self._ref[k]
+
+    def pd(self, prompt, tid, policy="lazy", mode="layerwise", n=5, d_extra=None, timeout=120.0):
+        """One P/D request as a router sends it: P (max_tokens 1) and D at once."""
+        res = {}
+
+        def to_p():
+            try:
+                res["p"] = self.p.complete(prompt, 1, {"do_remote_decode": True, "transfer_id": tid,
+                                                       "remote_control": f"127.0.0.1:{self.d_control}",
+                                                       "kvwire_send_mode": mode}, timeout=timeout)
+            except (ServerError, OSError) as e:
+                res["p_error"] = e
+
+        th = threading.Thread(target=to_p)
+        th.start()
+        try:
+            d = self.d.complete(prompt, n, {"do_remote_prefill": True, "transfer_id": tid,
+                                            "remote_control": f"127.0.0.1:{self.p_control}",
+                                            "kvwire_policy": policy, **(d_extra or {})}, timeout=timeout)
+        finally:
+            th.join(timeout + 10)
+        return d["tokens"], res
+
+    def d_idle(self):
+        """D holds no block for kvwire and has no kvwire request. A short local request first
+        makes D step (an idle engine publishes no stats), so its gauges are current."""
+        try:
+            self.d.complete([5, 6, 7], 2)
+            return (self.d.metric("vllm:kvwire_d_held_blocks") == 0.0
+                    and self.d.metric("vllm:kvwire_d_requests") == 0.0
+                    and self.d.metric("vllm:kvwire_d_landing_slots") == 0.0)
+        except (KeyError, OSError, ServerError):
+            return False
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    root = tempfile.mkdtemp(prefix="kvwire-e2e-")
+    c = Cluster(root)
+    try:
+        c.start()
+        yield c
+    except ServerError as e:
+        pytest.fail(str(e))
+    finally:
+        c.stop()
+
+
+def prompt_of(n, seed):
+    return [20 + (j * 7 + seed * 13) % 900 for j in range(n)]
+
+
+def test_single_instance_is_the_model(cluster):
+    """The reference instance generates what the stand-in model says (so the comparisons below
+    compare against something known)."""
+    p = prompt_of(LONG, 99)
+    assert cluster.single_output(p, 5) == reference(p, 5)
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("policy", POLICIES)
+def test_d_output_equals_single_instance(cluster, policy, mode):
+    seed = POLICIES.index(policy) * 10 + MODES.index(mode)
+    for n in (40, LONG):  # LONG > max_num_batched_tokens: P prefills it in chunks
+        prompt = prompt_of(n, seed)
+        got, res = cluster.pd(prompt, f"o-{policy}-{mode}-{n}-{ASYNC}", policy, mode)
+        assert "p_error" not in res, res
+        assert got == cluster.single_output(prompt, 5), (policy, mode, n)
+    assert wait_for(cluster.d_idle), "D holds blocks after its requests ended"
+
+
+def test_corrupted_transfer_changes_output(cluster):
+    """One byte flipped in D's received KV (the stand-in's test hook) changes D's output: the
+    comparisons above can fail."""
+    prompt = prompt_of(200, 77)
+    got, _ = cluster.pd(prompt, f"corrupt-{ASYNC}", "lazy", "layerwise", d_extra={"kvwire_test_corrupt": True})
+    assert any(e.get("ev") == "corrupt" for e in cluster.d_ctl.events("corrupt"))
+    assert got != cluster.single_output(prompt, 5)
+
+
+def test_burst_then_idle_p_every_request_completes(cluster):
+    """Eight P/D requests at once; the last one completes with P idle afterwards (no later step
+    on P carries it)."""
+    out = {}
+
+    def one(i):
+        prompt = prompt_of(300 + 40 * i, 200 + i)
+        try:
+            out[i] = (cluster.pd(prompt, f"burst-{i}-{ASYNC}", POLICIES[i % 4], MODES[i % 2])[0], prompt)
+        except (ServerError, OSError) as e:
+            out[i] = (e, prompt)
+
+    ths = [threading.Thread(target=one, args=(i,)) for i in range(8)]
+    for t in ths:
+        t.start()
+    for t in ths:
+        t.join(300)
+    assert sorted(out) == list(range(8))
+    for i, (got, prompt) in out.items():
+        assert got == cluster.single_output(prompt, 5), (i, got)
+    assert wait_for(cluster.d_idle)
+
+
+def test_prefix_hit_on_d_receives_only_the_suffix(cluster):
+    """A second turn extends the first: D's prefix cache holds the first turn's blocks, P sends
+    only the rest (counted in bytes on D), and the output still equals the single instance's."""
+    base = prompt_of(1200, 300)
+    a, _ = cluster.pd(base, f"turn1-{ASYNC}", "lazy", "layerwise")
+    assert a == cluster.single_output(base, 5)
+    nxt = base + a + prompt_of(300, 301)
+    before = cluster.d.metric("vllm:kvwire_d_received_bytes_total")
+    b, _ = cluster.pd(nxt, f"turn2-{ASYNC}", "lazy", "layerwise")
+    assert b == cluster.single_output(nxt, 5)
+    assert wait_for(lambda: cluster.d.metric("vllm:kvwire_d_received_bytes_total") > before)
+    got = cluster.d.metric("vllm:kvwire_d_received_bytes_total") - before
+    block_bytes = 2 * 2 * 16 * 2 * 16 * 2  # layers x (K, V) x block x kv heads x head dim x bf16
+    whole = -(-len(nxt) // 16) * block_bytes
+    cached = (len(base) // 16) * block_bytes  # full blocks of turn 1's prompt stay in D's cache
+    assert 0 < got <= whole - cached, (got, whole, cached)
+
+
+def test_mooncake_connector_params_drive_it_unchanged(cluster):
+    """A router written for vLLM's MooncakeConnector: P gets only ``do_remote_decode`` and the
+    transfer id, D finds P through ``remote_bootstrap_addr`` and ``remote_engine_id``."""
+    prompt = prompt_of(700, 600)
+    tid = f"mc-{ASYNC}"
+    res = {}
+
+    def to_p():
+        res["p"] = cluster.p.complete(prompt, 1, {"do_remote_decode": True, "transfer_id": tid})
+
+    th = threading.Thread(target=to_p)
+    th.start()
+    d = cluster.d.complete(prompt, 5, {"do_remote_prefill": True, "transfer_id": tid, "remote_engine_id": "e2e-p",
+                                       "remote_bootstrap_addr": f"http://127.0.0.1:{cluster.bootstrap}"})
+    th.join(130)
+    assert "p" in res
+    assert d["tokens"] == cluster.single_output(prompt, 5)
+    assert wait_for(cluster.d_idle)
+
+
+def test_timelines_written_and_calibrated(cluster):
+    """Both engines wrote their timelines; ``kvwire-bench calibrate --timeline DIR`` joins P's
+    and D's records and fits them (it prints its held-out error)."""
+    assert wait_for(lambda: glob.glob(os.path.join(cluster.timelines, "*p*.jsonl"))
+                    and glob.glob(os.path.join(cluster.timelines, "*d*.jsonl")))
+    recs = []
+    for f in glob.glob(os.path.join(cluster.timelines, "*.jsonl")):
+        with open(f) as fh:
+            recs += [json.loads(line) for line in fh if line.strip()]
+    assert {r.get("role") for r in recs} >= {"p", "d"}
+    bench = os.environ.get("KVWIRE_BENCH_BIN")
+    if not bench or not os.path.exists(bench):
+        pytest.fail(f"KVWIRE_BENCH_BIN={bench!r}: no kvwire-bench binary (tests/e2e/run.sh builds one)")
+    out = os.path.join(cluster.root, "cost.json")
+    r = subprocess.run([bench, "calibrate", "--timeline", cluster.timelines, "--out", out],
+                       capture_output=True, text=True, timeout=300)
+    print(r.stdout)
+    assert r.returncode == 0, r.stdout + r.stderr
+    with open(out) as f:
+        model = json.load(f)
+    assert model, "empty cost model"
+
+
+def test_p_killed_mid_request_then_restarted(cluster):
+    """P's server is killed (SIGKILL to its process group) while it holds a request's layer 1:
+    D's client gets an error, not a hang; D holds no block afterwards and still serves. Then P
+    starts again on the same ports (a new incarnation): D takes its writes again, and the
+    outputs of requests whose blocks D reused equal the single instance's (the stand-in reads
+    its next token from the KV, so a stale write of the dead P would show)."""
+    import vllm
+
+    if vllm.__version__.startswith("0.18."):
+        # vLLM 0.18.1's Prometheus logger increments a prompt-token counter by a negative amount
+        # for a request failed through the KV load-error path, and the API server dies of it
+        # (ValueError in AsyncLLM.output_handler): any connector's failed load takes D down.
+        msg = "SKIPPED: P killed mid-request on vLLM 0.18.1: a failed KV load kills D's API server (vLLM bug)"
+        print(msg)
+        pytest.skip(msg)
+    ctl = cluster.p_ctl
+    held = ctl.held(1)
+    ctl.hold(1)
+    prompt = prompt_of(LONG, 500)
+    res = {}
+
+    def d_side():
+        try:
+            res["d"] = cluster.pd(prompt, f"kill-{ASYNC}", "eager", "layerwise", timeout=150)
+        except (ServerError, OSError) as e:
+            res["error"] = e
+
+    th = threading.Thread(target=d_side)
+    th.start()
+    try:
+        ctl.wait_held(1, held + 1)
+        cluster.p.kill()
+    finally:
+        ctl.release(1)
+    th.join(200)
+    assert not th.is_alive(), "D's client still waiting"
+    assert "error" in res, f"D answered although P died: {res.get('d')}"
+    assert "HTTP" in str(res["error"]), res["error"]  # the server answered with an error status
+    assert wait_for(cluster.d_idle), "D holds blocks after P died"
+    local = prompt_of(100, 501)
+    assert cluster.d.complete(local, 5)["tokens"] == cluster.single_output(local, 5)
+    cluster.p.start()
+    cluster.p.wait_ready(600)
+    for i, policy in enumerate(("eager", "lazy")):
+        prompt = prompt_of(LONG, 510 + i)
+        got, res = cluster.pd(prompt, f"after-restart-{i}-{ASYNC}", policy, "layerwise")
+        assert "p_error" not in res, res
+        assert got == cluster.single_output(prompt, 5)
+    assert wait_for(cluster.d_idle)
