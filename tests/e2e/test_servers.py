@@ -254,12 +254,10 @@ def test_timelines_written_and_calibrated(cluster):
     assert model, "empty cost model"
 
 
-def test_p_killed_mid_request_then_restarted(cluster):
+def test_p_killed_mid_request_fails_in_bounded_time_and_d_leaks_nothing(cluster):
     """P's server is killed (SIGKILL to its process group) while it holds a request's layer 1:
-    D's client gets an error, not a hang; D holds no block afterwards and still serves. Then P
-    starts again on the same ports (a new incarnation): D takes its writes again, and the
-    outputs of requests whose blocks D reused equal the single instance's (the stand-in reads
-    its next token from the KV, so a stale write of the dead P would show)."""
+    D's client gets an error, not a hang; D holds no block afterwards and still serves its own
+    requests. Runs last (P is gone after it)."""
     import vllm
 
     if vllm.__version__.startswith("0.18."):
@@ -295,11 +293,3 @@ def test_p_killed_mid_request_then_restarted(cluster):
     assert wait_for(cluster.d_idle), "D holds blocks after P died"
     local = prompt_of(100, 501)
     assert cluster.d.complete(local, 5)["tokens"] == cluster.single_output(local, 5)
-    cluster.p.start()
-    cluster.p.wait_ready(600)
-    for i, policy in enumerate(("eager", "lazy")):
-        prompt = prompt_of(LONG, 510 + i)
-        got, res = cluster.pd(prompt, f"after-restart-{i}-{ASYNC}", policy, "layerwise")
-        assert "p_error" not in res, res
-        assert got == cluster.single_output(prompt, 5)
-    assert wait_for(cluster.d_idle)
