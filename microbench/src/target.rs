@@ -8,15 +8,21 @@
 //! non-zero `flush_total`), then checks everything and publishes the counters. The
 //! initiator asks before it reuses any destination bytes, so nothing is overwritten before
 //! it was checked.
+//!
+//! Tags come from the network: each peer's run is kept apart (another peer's tags never reset
+//! it), a refused tag is counted but never published over another run's verdict, and the work
+//! a tag can cause is bounded: one pass over the data region at most (a tag naming more bytes
+//! than the region, or a flush count beyond the tags its run sent, is refused unread), and the
+//! verifier checks only when something is pending.
 
-use std::collections::VecDeque;
+use std::collections::{HashMap, VecDeque};
 use std::net::SocketAddr;
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::thread::JoinHandle;
 use std::time::Duration;
 
-use kvwire_transfer::{Access, Engine, EngineConfig, RegionHandle, TransportKind};
+use kvwire_transfer::{Access, Engine, EngineConfig, PeerId, RegionHandle, TransportKind};
 use tracing::{debug, info, warn};
 
 use crate::error::{BenchError, Context};
@@ -76,6 +82,7 @@ pub struct Target {
     latest: Arc<Mutex<Verdict>>,
     worker: Option<JoinHandle<()>>,
     region_len: u64,
+    stats: Arc<TargetStats>,
 }
 
 impl Target {
@@ -98,20 +105,20 @@ impl Target {
             .ctx(|| "allocating the control region".to_string())?;
         let stop = Arc::new(AtomicBool::new(false));
         let latest = Arc::new(Mutex::new(Verdict::default()));
+        let stats = Arc::new(TargetStats::default());
         let mut v = Verifier {
             engine: engine.clone(),
             data,
             ctrl,
             region_len: cfg.region_len,
             fault: cfg.fault,
-            verdict: Verdict::default(),
-            pending: VecDeque::new(),
-            want: 0,
-            data_tags: 0,
+            runs: HashMap::new(),
+            order: VecDeque::new(),
             scratch: Vec::new(),
             latest: latest.clone(),
+            stats: stats.clone(),
         };
-        v.publish();
+        v.publish(&Verdict::default());
         let stop2 = stop.clone();
         let worker = std::thread::Builder::new()
             .name("kvwire-bench-verifier".into())
@@ -123,6 +130,7 @@ impl Target {
             latest,
             worker: Some(worker),
             region_len: cfg.region_len,
+            stats,
         })
     }
 
@@ -134,6 +142,12 @@ impl Target {
     /// Bytes of the data region.
     pub fn region_len(&self) -> u64 {
         self.region_len
+    }
+
+    /// The verifier's work so far (tests of its bounds).
+    #[doc(hidden)]
+    pub fn stats(&self) -> &TargetStats {
+        &self.stats
     }
 
     /// The verdict most recently published.
@@ -161,93 +175,206 @@ impl Drop for Target {
     }
 }
 
+/// Counters of the verifier's work (tests of its bounds).
+#[doc(hidden)]
+#[derive(Debug, Default)]
+pub struct TargetStats {
+    /// Bytes of the data region read to check tags.
+    pub crc_bytes: AtomicU64,
+    /// Tags checked (read, or refused without reading).
+    pub tags_checked: AtomicU64,
+    /// Tags refused without reading a byte (undecodable, ranges beyond the region, more
+    /// bytes than the region, a flush count beyond the tags seen).
+    pub bad_tags: AtomicU64,
+    /// Passes of the verifier loop that checked with nothing pending (stays 0: it never
+    /// spins).
+    pub idle_checks: AtomicU64,
+}
+
+/// What the verifier holds for one peer's run: one initiator's tags never reset another's.
+#[derive(Default)]
+struct RunState {
+    verdict: Verdict,
+    pending: VecDeque<Tag>,
+    /// Ranges of the pending tags (checked anyway beyond [`MAX_PENDING_RANGES`]).
+    pending_ranges: usize,
+    /// Tags the initiator has asked to be checked (largest `flush_total` seen this run).
+    want: u64,
+    data_tags: u64,
+}
+
+impl RunState {
+    fn due(&self) -> bool {
+        !self.pending.is_empty()
+            && (self.want > self.verdict.verified_tags
+                || self.pending.len() > MAX_PENDING
+                || self.pending_ranges > MAX_PENDING_RANGES)
+    }
+}
+
+/// Peers whose runs are kept at once (the least recently heard from is forgotten first).
+const MAX_RUNS: usize = 16;
+/// Ranges held unchecked per run before the verifier checks them anyway.
+const MAX_PENDING_RANGES: usize = 1 << 20;
+
 struct Verifier {
     engine: Engine,
     data: RegionHandle,
     ctrl: RegionHandle,
     region_len: u64,
     fault: Option<TargetFault>,
-    verdict: Verdict,
-    pending: VecDeque<Tag>,
-    /// Tags the initiator has asked to be checked (largest `flush_total` seen this run).
-    want: u64,
-    data_tags: u64,
+    runs: HashMap<PeerId, RunState>,
+    /// Peers by when their last tag arrived, oldest first.
+    order: VecDeque<PeerId>,
     scratch: Vec<u8>,
     latest: Arc<Mutex<Verdict>>,
+    stats: Arc<TargetStats>,
 }
 
 impl Verifier {
     /// Drains the notification queue every [`IDLE_POLL`] instead of waking for each
     /// notification: a wake-up per write would compete with the engine's own threads for
-    /// the CPU during the timed phases.
+    /// the CPU during the timed phases. Checks only what is pending, so no tag can make it
+    /// spin.
     fn run(&mut self, stop: &AtomicBool) {
         let notes = self.engine.notifications();
         while !stop.load(Ordering::SeqCst) {
             while let Some(n) = notes.try_recv() {
-                self.take(&n.tag);
+                self.take(n.peer, &n.tag);
             }
-            if self.want > self.verdict.verified_tags || self.pending.len() > MAX_PENDING {
-                self.check_pending();
-            } else {
+            let due: Vec<PeerId> = self
+                .runs
+                .iter()
+                .filter(|(_, r)| r.due())
+                .map(|(p, _)| *p)
+                .collect();
+            if due.is_empty() {
                 std::thread::sleep(IDLE_POLL);
+            }
+            for p in due {
+                self.check_pending(p);
             }
         }
     }
 
-    fn take(&mut self, raw: &[u8]) {
+    /// The run state of `peer`; a new one forgets the least recently heard from beyond
+    /// [`MAX_RUNS`].
+    fn state(&mut self, peer: PeerId) -> &mut RunState {
+        if let Some(i) = self.order.iter().position(|p| *p == peer) {
+            self.order.remove(i);
+        }
+        self.order.push_back(peer);
+        while self.order.len() > MAX_RUNS {
+            if let Some(old) = self.order.pop_front() {
+                self.runs.remove(&old);
+            }
+        }
+        self.runs.entry(peer).or_default()
+    }
+
+    /// Counts a tag refused unread. It is reported (in [`Target::verdict`]) but never
+    /// published to the control region: a peer's garbage does not overwrite another's
+    /// verdict.
+    fn refuse(&mut self, peer: PeerId) {
+        self.stats.bad_tags.fetch_add(1, Ordering::Relaxed);
+        self.stats.tags_checked.fetch_add(1, Ordering::Relaxed);
+        let st = self.state(peer);
+        st.verdict.bad_tags += 1;
+        let v = st.verdict.clone();
+        if let Ok(mut l) = self.latest.lock() {
+            *l = v;
+        }
+    }
+
+    fn take(&mut self, peer: PeerId, raw: &[u8]) {
         let tag = match Tag::decode(raw) {
             Ok(t) => t,
             Err(e) => {
                 warn!("undecodable notification ({} bytes): {e}", raw.len());
-                self.verdict.bad_tags += 1;
-                self.publish();
+                self.refuse(peer);
                 return;
             }
         };
-        if tag.run != self.verdict.run {
-            debug!(run = tag.run, "new initiator run");
-            self.verdict = Verdict {
-                run: tag.run,
-                ..Verdict::default()
-            };
-            self.pending.clear();
-            self.want = 0;
-            self.data_tags = 0;
-        }
-        self.verdict.tags_seen += 1;
-        self.want = self.want.max(tag.flush_total);
-        self.pending.push_back(tag);
-    }
-
-    fn check_pending(&mut self) {
-        while let Some(tag) = self.pending.pop_front() {
-            self.check(&tag);
-        }
-        self.publish();
-    }
-
-    fn check(&mut self, tag: &Tag) {
-        self.verdict.verified_tags += 1;
-        let in_bounds = tag.ranges.iter().all(|r| {
-            r.offset
-                .checked_add(r.len)
-                .is_some_and(|end| end <= self.region_len)
+        // One pass over the region per tag at most: a tag naming bytes outside the region,
+        // or more bytes in all than the region holds, is refused unread.
+        let mut total: u64 = 0;
+        let fits = tag.ranges.iter().all(|r| {
+            let end = r.offset.checked_add(r.len);
+            total = total.saturating_add(r.len);
+            end.is_some_and(|end| end <= self.region_len) && total <= self.region_len
         });
-        if !in_bounds {
-            warn!(seq = tag.seq, "tag names bytes outside the data region");
-            self.verdict.bad_tags += 1;
-            self.mismatch(tag, 0);
+        if !fits {
+            warn!(
+                seq = tag.seq,
+                ranges = tag.ranges.len(),
+                "tag names bytes outside the data region or more than it holds"
+            );
+            self.refuse(peer);
             return;
         }
+        let st = self.state(peer);
+        let new_run = tag.run != st.verdict.run;
+        let seen = if new_run { 1 } else { st.verdict.tags_seen + 1 };
+        // The initiator waits for each flush, so its flush count covers the tags it sent so
+        // far, this one included; a larger count could never be reached.
+        if tag.flush_total > seen {
+            warn!(
+                seq = tag.seq,
+                flush_total = tag.flush_total,
+                "flush count beyond the tags seen"
+            );
+            self.refuse(peer);
+            return;
+        }
+        if new_run {
+            debug!(run = tag.run, "new initiator run");
+            *st = RunState {
+                verdict: Verdict {
+                    run: tag.run,
+                    ..Verdict::default()
+                },
+                ..RunState::default()
+            };
+        }
+        st.verdict.tags_seen += 1;
+        st.want = st.want.max(tag.flush_total);
+        st.pending_ranges += tag.ranges.len();
+        st.pending.push_back(tag);
+    }
+
+    fn check_pending(&mut self, peer: PeerId) {
+        let Some(st) = self.runs.get_mut(&peer) else {
+            return;
+        };
+        if st.pending.is_empty() {
+            self.stats.idle_checks.fetch_add(1, Ordering::Relaxed);
+            return;
+        }
+        let tags: Vec<Tag> = st.pending.drain(..).collect();
+        st.pending_ranges = 0;
+        let mut verdict = std::mem::take(&mut st.verdict);
+        let mut data_tags = st.data_tags;
+        for tag in &tags {
+            self.check(&mut verdict, &mut data_tags, tag);
+        }
+        self.publish(&verdict);
+        if let Some(st) = self.runs.get_mut(&peer) {
+            st.verdict = verdict;
+            st.data_tags = data_tags;
+        }
+    }
+
+    /// Checks one tag whose ranges are known to lie in the region.
+    fn check(&mut self, verdict: &mut Verdict, data_tags: &mut u64, tag: &Tag) {
+        self.stats.tags_checked.fetch_add(1, Ordering::Relaxed);
+        verdict.verified_tags += 1;
         if !tag.ranges.is_empty() && tag.phase != Phase::Warmup {
-            self.data_tags += 1;
+            *data_tags += 1;
             let hit = match self.fault {
-                Some(TargetFault::CorruptBeforeVerify { nth }) if nth == self.data_tags => {
+                Some(TargetFault::CorruptBeforeVerify { nth }) if nth == *data_tags => {
                     tag.ranges.first()
                 }
-                Some(TargetFault::CorruptRangeBeforeVerify { nth, range })
-                    if nth == self.data_tags =>
-                {
+                Some(TargetFault::CorruptRangeBeforeVerify { nth, range }) if nth == *data_tags => {
                     tag.ranges.get(range)
                 }
                 _ => None,
@@ -267,10 +394,11 @@ impl Verifier {
                 &mut self.scratch,
             ) {
                 warn!(seq = tag.seq, "reading the data region failed: {e}");
-                self.mismatch(tag, 0);
+                mismatch(verdict, tag, 0);
                 return;
             }
-            self.verdict.verified_bytes += r.len;
+            self.stats.crc_bytes.fetch_add(r.len, Ordering::Relaxed);
+            verdict.verified_bytes += r.len;
         }
         let actual = h.finalize();
         if actual != tag.crc {
@@ -281,18 +409,8 @@ impl Verifier {
                 actual,
                 "data mismatch"
             );
-            self.mismatch(tag, actual);
+            mismatch(verdict, tag, actual);
         }
-    }
-
-    fn mismatch(&mut self, tag: &Tag, actual: u32) {
-        if self.verdict.mismatches == 0 {
-            self.verdict.first_bad_phase = tag.phase as u8;
-            self.verdict.first_bad_seq = tag.seq;
-            self.verdict.first_bad_expected = tag.crc;
-            self.verdict.first_bad_actual = actual;
-        }
-        self.verdict.mismatches += 1;
     }
 
     fn corrupt(&mut self, offset: u64) {
@@ -307,15 +425,22 @@ impl Verifier {
         }
     }
 
-    fn publish(&mut self) {
-        if let Err(e) = self
-            .engine
-            .local_write(self.ctrl, 0, &self.verdict.encode())
-        {
+    fn publish(&mut self, verdict: &Verdict) {
+        if let Err(e) = self.engine.local_write(self.ctrl, 0, &verdict.encode()) {
             warn!("publishing the verdict failed: {e}");
         }
         if let Ok(mut l) = self.latest.lock() {
-            *l = self.verdict.clone();
+            *l = verdict.clone();
         }
     }
+}
+
+fn mismatch(verdict: &mut Verdict, tag: &Tag, actual: u32) {
+    if verdict.mismatches == 0 {
+        verdict.first_bad_phase = tag.phase as u8;
+        verdict.first_bad_seq = tag.seq;
+        verdict.first_bad_expected = tag.crc;
+        verdict.first_bad_actual = actual;
+    }
+    verdict.mismatches += 1;
 }

@@ -414,3 +414,103 @@ fn cli_serve_and_target_detects_corruption() {
     assert_eq!(v["check"]["mismatches"], 1);
     let _ = std::fs::remove_file(&json);
 }
+
+/// Hostile tags (finding 9): a flush count that can never be reached, and a tag naming 4000
+/// times the whole data region, cost the verifier at most one pass over the region each (here:
+/// none) and never make it spin; a legitimate run in progress meanwhile is verified, its run
+/// untouched by the attacker's tags.
+#[test]
+fn hostile_tags_cost_bounded_cpu() {
+    use kvwire_bench::wire::{Phase, Range, Tag, MAX_TAG_RANGES};
+    use std::sync::atomic::Ordering;
+    let t = std::sync::Arc::new(
+        Target::start(ServeConfig {
+            listen: loopback(),
+            secret: None,
+            transport: TransportKind::Tcp,
+            region_len: 64 << 20,
+            fault: None,
+        })
+        .expect("target starts"),
+    );
+    let region = t.region_len();
+    let legit = {
+        let t = t.clone();
+        std::thread::spawn(move || bench(&t, TransportKind::Tcp, None).expect("bench runs"))
+    };
+    // The attacker starts once the legitimate run is under way.
+    let t0 = Instant::now();
+    while t.stats().tags_checked.load(Ordering::Relaxed) == 0 {
+        assert!(
+            t0.elapsed() < Duration::from_secs(120),
+            "the legitimate run never started"
+        );
+        std::thread::sleep(Duration::from_millis(1));
+    }
+    let e = Engine::new(EngineConfig {
+        transport: TransportKind::Tcp,
+        ..EngineConfig::default()
+    })
+    .unwrap();
+    let peer = e.connect(t.addr()).unwrap();
+    let ctrl = peer.regions().into_iter().find(|r| r.len == 4096).unwrap();
+    let src = e.alloc_region(4096, Access::Local).unwrap();
+    let op = Op {
+        local: src,
+        local_offset: 0,
+        remote: ctrl.id,
+        remote_offset: 2048,
+        len: 8,
+    };
+    let spin = Tag {
+        run: 0xbad,
+        phase: Phase::Flush,
+        seq: 1,
+        flush_total: u64::MAX,
+        ranges: vec![],
+        crc: 0,
+    };
+    let huge = Tag {
+        run: 0xbad,
+        phase: Phase::Batch,
+        seq: 2,
+        flush_total: 2,
+        ranges: vec![
+            Range {
+                offset: 0,
+                len: region
+            };
+            MAX_TAG_RANGES
+        ],
+        crc: 0,
+    };
+    let bad0 = t.stats().bad_tags.load(Ordering::Relaxed);
+    for tag in [&spin, &huge] {
+        e.write(&peer, std::slice::from_ref(&op), Some(&tag.encode()), None)
+            .unwrap()
+            .wait()
+            .unwrap();
+    }
+    let t0 = Instant::now();
+    while t.stats().bad_tags.load(Ordering::Relaxed) < bad0 + 2 {
+        assert!(
+            t0.elapsed() < Duration::from_secs(120),
+            "hostile tags not refused"
+        );
+        std::thread::sleep(Duration::from_millis(1));
+    }
+    let r = legit.join().expect("legitimate run");
+    assert!(r.verified, "{}", r.table());
+    let s = t.stats();
+    assert_eq!(
+        s.idle_checks.load(Ordering::Relaxed),
+        0,
+        "the verifier never spins"
+    );
+    let (bytes, tags) = (
+        s.crc_bytes.load(Ordering::Relaxed),
+        s.tags_checked.load(Ordering::Relaxed),
+    );
+    assert!(bytes <= region * tags, "{bytes} bytes read for {tags} tags");
+    e.shutdown();
+}
