@@ -6,7 +6,8 @@
 //! its memory when the notification arrives); traffic spread over every queue pair (per-lane
 //! work-request counters); typed errors for bad regions (out of bounds, unknown, stale, and a
 //! region withdrawn under the initiator's feet, which the NIC refuses) and a good batch after
-//! each; a small RDMA-vs-TCP throughput comparison (printed, not asserted: TCG timing).
+//! each; a peer fenced while it writes (`Engine::fence`: the region unchanged once it
+//! returned); a small RDMA-vs-TCP throughput comparison (printed, not asserted: TCG timing).
 //!
 //! On the host this boots the VM and runs this same test binary inside it (like `rdma_vm.rs`);
 //! it only does so with `KVWIRE_VM_TESTS=1`, otherwise it prints `SKIPPED` (and fails when
@@ -430,6 +431,85 @@ fn dead_peer(dev_t: &[&str], dev_i: &[&str]) {
     }
 }
 
+/// The target fences the initiator while it writes in a loop over RDMA: once `fence` returned
+/// the target region stays the same (its queue pairs are in the error state: the NIC refuses
+/// the initiator's writes) and every later attempt fails with a typed error.
+fn fenced_peer(dev_t: &[&str], dev_i: &[&str]) {
+    let p = pair(dev_t, dev_i, TransportKind::Rdma);
+    assert_eq!(p.peer.transport(), TransportKind::Rdma);
+    let fencing = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let done = std::sync::Arc::new(std::sync::atomic::AtomicU64::new(0));
+    let (init, peer, src, rid) = (
+        p.init.clone(),
+        p.peer.clone(),
+        p.src,
+        p.target.region_id(p.dst),
+    );
+    let taddr = p.target.listen_addr();
+    let (f2, d2) = (fencing.clone(), done.clone());
+    let writer = std::thread::spawn(move || {
+        let mut peer = Some(peer);
+        let mut errors = Vec::new();
+        let mut k = 0u64;
+        while errors.len() < 100 {
+            k += 1;
+            let op = Op {
+                local: src,
+                local_offset: 0,
+                remote: rid,
+                remote_offset: (k % 8) * (1 << 20),
+                len: 1 << 20,
+            };
+            let r = match &peer {
+                Some(pp) => init
+                    .write(pp, &[op], None, None)
+                    .and_then(|b| b.wait().map(|_| ())),
+                None => init.connect(taddr).map(|np| peer = Some(np)),
+            };
+            match r {
+                Ok(()) => {
+                    d2.fetch_add(1, std::sync::atomic::Ordering::Release);
+                }
+                Err(e) => {
+                    assert!(
+                        f2.load(std::sync::atomic::Ordering::Acquire),
+                        "before the fence: {e}"
+                    );
+                    peer = None;
+                    errors.push(e);
+                }
+            }
+        }
+        errors
+    });
+    while done.load(std::sync::atomic::Ordering::Acquire) < 10 {
+        std::thread::sleep(Duration::from_millis(1));
+    }
+    fencing.store(true, std::sync::atomic::Ordering::Release);
+    p.target.fence(p.init.listen_addr()).expect("fence");
+    let frozen = read_back(&p.target, p.dst, 0, 8 << 20);
+    let errors = writer.join().expect("writer");
+    for e in &errors {
+        assert!(
+            matches!(
+                e,
+                Error::PeerDead(_)
+                    | Error::Fenced { .. }
+                    | Error::StaleRegion(_)
+                    | Error::UnknownRegion(_)
+            ),
+            "untyped failure after the fence: {e}"
+        );
+    }
+    assert!(errors.iter().any(|e| matches!(e, Error::Fenced { .. })));
+    check_eq(
+        "fenced region",
+        &read_back(&p.target, p.dst, 0, 8 << 20),
+        &frozen,
+    );
+    println!("fenced peer: its rdma writes refused, the region unchanged");
+}
+
 fn spread_over_queue_pairs(p: &Pair, lanes: usize) {
     let c = p.peer.lane_counters();
     println!("work requests per queue pair: {c:?}");
@@ -727,6 +807,7 @@ fn in_guest() {
     }
     concurrent_submitters(&[d0], &[d1]);
     dead_peer(&[d0], &[d1]);
+    fenced_peer(&[d0], &[d1]);
     // ... and RDMA with KVWIRE_PREFER_RDMA=1 (set while no other engine runs).
     {
         std::env::set_var("KVWIRE_PREFER_RDMA", "1");

@@ -135,7 +135,7 @@ impl Core {
             }
             let (Some(rb), Some(lb)) = (
                 blob_of(&hs.remote_blobs, other.bit()),
-                blob_of(&hs.our_blobs, other.bit()),
+                blob_of(&hs.our_blobs.list, other.bit()),
             ) else {
                 continue;
             };
@@ -147,7 +147,7 @@ impl Core {
             }
         }
         let rb = blob_of(&hs.remote_blobs, t.bit());
-        let lb = blob_of(&hs.our_blobs, t.bit());
+        let lb = blob_of(&hs.our_blobs.list, t.bit());
         let transport = t.establish(ctx(rb, lb, on_dead))?;
         let mut table = RemoteTable::new(limits.max_remote_regions);
         table.upsert_many(hs.remote_regions)?;

@@ -44,7 +44,7 @@ pub(super) struct Handshaken {
     /// The peer engine's listen address (where our lanes go; what a fence names).
     pub(super) lane_addr: SocketAddr,
     pub(super) remote_blobs: Vec<(u8, Vec<u8>)>,
-    pub(super) our_blobs: Vec<(u8, Vec<u8>)>,
+    pub(super) our_blobs: OurBlobs,
     /// Credentials of the lanes the peer opens into us, and of ours into it.
     pub(super) lane_in: LaneCred,
     pub(super) lane_out: LaneCred,
@@ -54,15 +54,39 @@ pub(super) struct Handshaken {
     pub(super) welcome: Option<WelcomeSeal>,
 }
 
+/// Our handshake blobs, and the transport state each names (RDMA: queue pairs prepared for the
+/// peer). What `establish` did not claim is released when these are dropped: a handshake refused
+/// midway (a fenced peer, a failed proof, a timeout) holds nothing until expiry, so a peer that
+/// reconnects in a loop cannot use up the prepared sets.
+pub(super) struct OurBlobs {
+    core: Arc<Core>,
+    pub(super) list: Vec<(u8, Vec<u8>)>,
+}
+
+impl Drop for OurBlobs {
+    fn drop(&mut self) {
+        for (bit, blob) in &self.list {
+            if let Some(t) = self.core.transports.iter().find(|t| t.bit() == *bit) {
+                t.discard_blob(blob);
+            }
+        }
+    }
+}
+
 impl Core {
     /// Our handshake blobs for the transports we allow and the peer accepts (`theirs`).
-    pub(super) fn hello_blobs(&self, theirs: u8) -> Vec<(u8, Vec<u8>)> {
+    pub(super) fn hello_blobs(self: &Arc<Self>, theirs: u8) -> OurBlobs {
         let allowed = allowed_transports(self) & theirs;
-        self.transports
+        let list = self
+            .transports
             .iter()
             .filter(|t| t.bit() & allowed != 0)
             .filter_map(|t| t.hello_blob().map(|b| (t.bit(), b)))
-            .collect()
+            .collect();
+        OurBlobs {
+            core: self.clone(),
+            list,
+        }
     }
 }
 
@@ -184,7 +208,7 @@ pub(super) fn initiator_handshake(
         listen_port: core.listen_addr.port(),
         transports: allowed_transports(core),
         lanes: core.cfg.lanes as u16,
-        blobs: our_blobs.clone(),
+        blobs: our_blobs.list.clone(),
         regions: core.offered_wire(same),
         mac: [0; 32],
     };
@@ -260,7 +284,7 @@ pub(super) fn responder_handshake(
         host: core.host.clone(),
         transports: allowed_transports(core),
         lanes: core.cfg.lanes as u16,
-        blobs: our_blobs.clone(),
+        blobs: our_blobs.list.clone(),
         mac: [0; 32],
     };
     let enc = session::seal(&mut th, &accept, |t, b| keys.accept_mac(t, b));

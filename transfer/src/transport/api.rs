@@ -100,6 +100,9 @@ pub(crate) trait Transport: Send + Sync {
     fn hello_blob(&self) -> Option<Vec<u8>> {
         None
     }
+    /// A blob of ours that no `establish` will claim (the handshake or the peer's setup
+    /// failed): release what it names now (RDMA: the prepared queue pairs).
+    fn discard_blob(&self, _blob: &[u8]) {}
     /// Whether this transport can reach a peer (host identity, the peer's blob for it).
     fn usable_with(&self, _remote_host: &HostIdentity, _remote_blob: Option<&[u8]>) -> bool {
         true

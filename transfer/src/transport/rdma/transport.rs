@@ -303,6 +303,9 @@ impl Transport for RdmaTransport {
             }
         }
     }
+    fn discard_blob(&self, blob: &[u8]) {
+        drop(self.take_pre(blob));
+    }
     fn usable_with(&self, _remote_host: &HostIdentity, remote_blob: Option<&[u8]>) -> bool {
         let Some(r) = remote_blob.and_then(|b| parse_blob(b).ok()) else {
             return false;
