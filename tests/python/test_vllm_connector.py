@@ -28,7 +28,7 @@ def mdir():
 def pair(mdir):
     sides = []
 
-    def make(d_extra=None, p_extra=None, **kw):
+    def make(d_extra=None, p_extra=None, p_kw=None, **kw):
         # auto: shm on this host (a completed notified batch has its notification queued at the
         # target on every transport); KVWIRE_TEST_TRANSPORT=tcp forces TCP.
         # Both sides step on this one thread, so a side is silent for as long as the other's step
@@ -36,7 +36,8 @@ def pair(mdir):
         # whenever a step stalls on a loaded box. Tests about liveness pass their own value.
         base = {"transport": os.environ.get("KVWIRE_TEST_TRANSPORT", "auto"), "peer_timeout": PEER_TIMEOUT}
         d = Side("kv_consumer", {**base, "data_listen": f"127.0.0.1:{free_port()}", **(d_extra or {})}, mdir, **kw)
-        p = Side("kv_producer", {**base, "data_listen": f"127.0.0.1:{free_port()}", **(p_extra or {})}, mdir)
+        p = Side("kv_producer", {**base, "data_listen": f"127.0.0.1:{free_port()}", **(p_extra or {})}, mdir,
+                 **(p_kw or {}))
         sides.extend([d, p])
         introduce(d, p)
         return d, p
@@ -233,6 +234,40 @@ def test_failed_transfer_takes_the_load_error_path(pair, policy):
     assert_no_leak(d)
     assert_no_leak(p)
     assert any('"outcome":"failed"' in r for r in timeline(p))
+    assert any('"outcome":"failed"' in r for r in timeline(d))
+
+
+@pytest.mark.parametrize("field,d_kw,p_kw,d_says", [
+    ("block_size", {"block": 16}, {"block": 32}, "block_size: 16 vs 32"),
+    ("dtype", {"dtype": "float16"}, {"dtype": "bfloat16"}, "dtype: float16 vs bfloat16"),
+])
+def test_incompatible_layout_is_refused_with_the_message(pair, caplog, field, d_kw, p_kw, d_says):
+    """P and D differ in block size (16 vs 32) or KV dtype (fp16 vs bf16): the hellos' descriptors
+    differ, D fails the request through the load-error path before reserving anything, P never
+    writes (no P worker connects to D's data engine, D's cache stays zero), each side logs the
+    difference once, and nothing leaks."""
+    caplog.set_level("WARNING", logger="kvwire.vllm")
+    d, p = pair({"policy": "eager"}, {"send_mode": "whole"}, p_kw=p_kw, **d_kw)
+    dreq = make_request("d/c1", 40, {"do_remote_prefill": True, "transfer_id": "c1",
+                                     "remote_control": p.conn.control_addr}, block=d.block)
+    preq = make_request("p/c1", 40, {"do_remote_decode": True, "transfer_id": "c1",
+                                     "remote_control": d.conn.control_addr}, max_tokens=1, block=p.block)
+    d.sched.add_request(dreq)
+    p.sched.add_request(preq)
+    assert run_until(lambda: dreq.is_finished() and not p.sched.requests, p.step, d.step)
+    assert dreq.status != RequestStatus.FINISHED_LENGTH_CAPPED  # it never ran
+    assert d.invalid  # the load-error path named its blocks
+    assert_no_leak(d)
+    assert_no_leak(p)
+    assert not p.conn._sched.p_reports
+    assert d.worker._worker.engine.metrics()["connections_inbound"] == 0
+    for name in LAYERS:
+        assert not d.kv[name].any()
+    p_says = d_says.replace(f"{field}: ", "").split(" vs ")
+    p_says = f"{field}: {p_says[1]} vs {p_says[0]}"
+    peer_lines = [r.getMessage() for r in caplog.records if "is incompatible with this instance" in r.getMessage()]
+    assert sum(d_says in m for m in peer_lines) == 1, peer_lines  # D's line
+    assert sum(p_says in m for m in peer_lines) == 1, peer_lines  # P's line
     assert any('"outcome":"failed"' in r for r in timeline(d))
 
 

@@ -56,13 +56,13 @@ def model_dir():
     return d
 
 
-def vllm_config(kv_role, extra, mdir, load_failure_policy="fail", tp=1):
-    mc = ModelConfig(model=mdir, skip_tokenizer_init=True, dtype="float32", seed=42, max_model_len=2048)
+def vllm_config(kv_role, extra, mdir, load_failure_policy="fail", tp=1, block=BLOCK, dtype="float32"):
+    mc = ModelConfig(model=mdir, skip_tokenizer_init=True, dtype=dtype, seed=42, max_model_len=2048)
     sc = SchedulerConfig(
         max_num_seqs=16, max_num_batched_tokens=1024, max_model_len=2048,
         enable_chunked_prefill=True, is_encoder_decoder=False,
     )
-    cc = CacheConfig(block_size=BLOCK, gpu_memory_utilization=0.9, enable_prefix_caching=True)
+    cc = CacheConfig(block_size=block, gpu_memory_utilization=0.9, enable_prefix_caching=True)
     kt = KVTransferConfig(
         kv_connector="KvwireConnector", kv_connector_module_path="kvwire.vllm", kv_role=kv_role,
         kv_connector_extra_config=extra, kv_load_failure_policy=load_failure_policy,
@@ -74,11 +74,11 @@ def vllm_config(kv_role, extra, mdir, load_failure_policy="fail", tp=1):
     return vc
 
 
-def kv_cache_config(num_blocks, heads=HEADS):
+def kv_cache_config(num_blocks, heads=HEADS, block=BLOCK, dtype=torch.float32):
     return KVCacheConfig(
         num_blocks=num_blocks, kv_cache_tensors=[],
         kv_cache_groups=[KVCacheGroupSpec(list(LAYERS), FullAttentionSpec(
-            block_size=BLOCK, num_kv_heads=heads, head_size=HEAD_DIM, dtype=torch.float32))],
+            block_size=block, num_kv_heads=heads, head_size=HEAD_DIM, dtype=dtype))],
     )
 
 
@@ -107,25 +107,29 @@ def hand_shake(conn, workers):
 class Side:
     """One vLLM instance: a real Scheduler (with the scheduler-side connector built by vLLM)
     plus ``tp`` worker-side connectors (``workers``; ``worker`` is rank 0's), rank r over CPU KV
-    tensors ``kvs[r]`` of shape [2, blocks, BLOCK, HEADS // tp, DIM] (``kv`` is rank 0's)."""
+    tensors ``kvs[r]`` of shape [2, blocks, block, HEADS // tp, DIM] (``kv`` is rank 0's), of the
+    model's ``dtype`` (``block`` and ``dtype`` other than the defaults: for compatibility tests)."""
 
-    def __init__(self, kv_role, extra, mdir, num_blocks=64, tp=1, **kw):
+    def __init__(self, kv_role, extra, mdir, num_blocks=64, tp=1, block=BLOCK, dtype="float32", **kw):
         self.num_blocks = num_blocks
+        self.block = block
         self.tp = tp
         self.heads = HEADS // tp
         # Every side writes its timeline (read back by ``timeline``); no Mooncake bootstrap port.
         self.timeline_dir = tempfile.mkdtemp(prefix="kvwire-timeline-")
         extra = {"timeline_path": self.timeline_dir, "bootstrap_port": 0, **extra}
-        self.vc = vllm_config(kv_role, extra, mdir, tp=tp, **kw)
-        kcc = kv_cache_config(num_blocks, self.heads)
+        self.vc = vllm_config(kv_role, extra, mdir, tp=tp, block=block, dtype=dtype, **kw)
+        tdtype = getattr(torch, dtype)
+        kcc = kv_cache_config(num_blocks, self.heads, block, tdtype)
         self.vc.cache_config.num_gpu_blocks = num_blocks
         self.sched = Scheduler(vllm_config=self.vc, kv_cache_config=kcc,
                                structured_output_manager=StructuredOutputManager(self.vc),
-                               block_size=BLOCK, log_stats=True)
+                               block_size=block, log_stats=True)
         self.conn = self.sched.connector
         self.workers = [_worker(self.vc, kcc, r, tp) for r in range(tp)]
         self.worker = self.workers[0]
-        self.kvs = [{n: torch.zeros(2, num_blocks, BLOCK, self.heads, HEAD_DIM) for n in LAYERS} for _ in range(tp)]
+        self.kvs = [{n: torch.zeros(2, num_blocks, block, self.heads, HEAD_DIM, dtype=tdtype) for n in LAYERS}
+                    for _ in range(tp)]
         self.kv = self.kvs[0]
         self.rank = 0  # the rank whose forward ``fill`` runs for (its KV is ``kv`` meanwhile)
         for w, kv in zip(self.workers, self.kvs):
@@ -179,7 +183,7 @@ class Side:
         self.conn.shutdown()
 
 
-def make_request(rid, tokens, params, max_tokens=4):
+def make_request(rid, tokens, params, max_tokens=4, block=BLOCK):
     global _init
     if not _init:
         init_none_hash(sha256)
@@ -187,7 +191,7 @@ def make_request(rid, tokens, params, max_tokens=4):
     sp = SamplingParams(max_tokens=max_tokens)
     sp.update_from_generation_config({}, EOS)
     req = Request(request_id=rid, prompt_token_ids=[(rid.__hash__() + i) % 900 + 1 for i in range(tokens)],
-                  sampling_params=sp, pooling_params=None, block_hasher=get_request_block_hasher(BLOCK, sha256))
+                  sampling_params=sp, pooling_params=None, block_hasher=get_request_block_hasher(block, sha256))
     req.kv_transfer_params = params
     return req
 
