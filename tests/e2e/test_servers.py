@@ -14,8 +14,10 @@ Every wait below is bounded so that a hang fails the test; none is an assertion 
 from __future__ import annotations
 
 import glob
+import http.client
 import json
 import os
+import socket
 import subprocess
 import sys
 import tempfile
@@ -62,7 +64,7 @@ class Cluster:
                     "kv_connector_extra_config": {"control_listen": f"127.0.0.1:{ctl}",
                                                   "data_listen": f"127.0.0.1:{free_port()}",
                                                   "timeline_path": self.timelines, "peer_timeout": 3,
-                                                  "heartbeat_interval": 0.5, **extra}}
+                                                  "heartbeat_interval": 0.5, "connect_timeout": 60, **extra}}
 
         self.single = Server("single", py, free_port(), self.model, **common)
         self.p = Server("p", py, free_port(), self.model,
@@ -252,6 +254,115 @@ def test_timelines_written_and_calibrated(cluster):
     with open(out) as f:
         model = json.load(f)
     assert model, "empty cost model"
+
+
+class Blackhole:
+    """A TCP address that drops connection attempts instead of refusing them: a listener that
+    never accepts, its accept queue full, so the kernel drops every further SYN (as a
+    partitioned or powered-off host does)."""
+
+    def __init__(self):
+        self.ls = socket.socket()
+        self.ls.bind(("127.0.0.1", 0))
+        self.ls.listen(0)
+        self.addr = "127.0.0.1:%d" % self.ls.getsockname()[1]
+        self.fill = []
+        for _ in range(4):  # fills the queue (one entry at backlog 0); the rest wait in SYN_SENT
+            c = socket.socket()
+            c.setblocking(False)
+            c.connect_ex(self.ls.getsockname())
+            self.fill.append(c)
+        probe = socket.socket()
+        probe.settimeout(2.0)
+        try:
+            probe.connect(self.ls.getsockname())
+            raise AssertionError("the blackhole accepted a connection")
+        except socket.timeout:
+            pass  # dropped, not refused: what a blackholed peer looks like
+        finally:
+            probe.close()
+
+    def close(self):
+        for c in self.fill:
+            c.close()
+        self.ls.close()
+
+
+class Pending:
+    """A completion sent over its own connection and left waiting; ``cancel`` closes the
+    connection (vLLM aborts a request whose client went away)."""
+
+    def __init__(self, server, prompt, n, params, request_id):
+        self.conn = http.client.HTTPConnection("127.0.0.1", server.port, timeout=WAIT_S)
+        body = {"model": "tiny", "prompt": list(prompt), "max_tokens": n, "temperature": 0,
+                "return_token_ids": True, "ignore_eos": True, "kv_transfer_params": params}
+        self.conn.request("POST", "/v1/completions", json.dumps(body).encode(),
+                          {"Content-Type": "application/json", "X-Request-Id": request_id})
+        self.result = None
+        self.th = threading.Thread(target=self._wait)
+        self.th.start()
+
+    def _wait(self):
+        try:
+            r = self.conn.getresponse()
+            self.result = (r.status, r.read()[:300])
+        except (OSError, http.client.HTTPException) as e:
+            self.result = e
+
+    def done(self):
+        return not self.th.is_alive()
+
+    def cancel(self):
+        try:
+            self.conn.sock.shutdown(socket.SHUT_RDWR)
+        except OSError:
+            pass
+        self.conn.close()
+        self.th.join(WAIT_S)
+
+
+def steps_of(ctl, tag):
+    """Steps of the stand-in worker that computed tokens of the request tagged ``tag``."""
+    return sum(1 for e in ctl.events("step")
+               if e.get("tokens", 0) > 0 and any(tag in str(r) for r in e.get("reqs", [])))
+
+
+def test_blackholed_peer_costs_no_steps(cluster):
+    """A peer whose address drops packets (not refuses them): D holds a request whose P is
+    blackholed, P prefills one whose D is blackholed; meanwhile a local request on each takes as
+    many steps as it took before (counted, not timed) and completes while the blackholed request
+    is still pending on D (it cannot end before D's 60 s wait-for-P) and before either side's
+    first dial of the blackhole gave up (60 s connect_timeout): a step that waited on the network
+    would have let that dial end first. Nothing is left once the client gives up."""
+    bh = Blackhole()
+    local = prompt_of(64, 700)
+    try:
+        for srv, ctl, side in ((cluster.d, cluster.d_ctl, "d"), (cluster.p, cluster.p_ctl, "p")):
+            assert srv.complete(local, 8, request_id=f"bhbase{side}{int(ASYNC)}")["tokens"] == cluster.single_output(local, 8)
+        base = {"d": steps_of(cluster.d_ctl, f"bhbased{int(ASYNC)}"), "p": steps_of(cluster.p_ctl, f"bhbasep{int(ASYNC)}")}
+        assert base["d"] > 0 and base["p"] > 0, base
+        hung = Pending(cluster.d, prompt_of(300, 701), 5,
+                       {"do_remote_prefill": True, "transfer_id": f"bh-d-{ASYNC}", "remote_control": bh.addr,
+                        "kvwire_policy": "lazy"}, f"bhhung{int(ASYNC)}")
+        try:
+            # P's request ends after its prefill; its KV waits for block ids that cannot come.
+            p_out = cluster.p.complete(prompt_of(300, 702), 1, {"do_remote_decode": True, "transfer_id": f"bh-p-{ASYNC}",
+                                                                 "remote_control": bh.addr})
+            assert p_out["tokens"], p_out
+            for srv, ctl, side in ((cluster.d, cluster.d_ctl, "d"), (cluster.p, cluster.p_ctl, "p")):
+                tag = f"bhlocal{side}{int(ASYNC)}"
+                assert srv.complete(local, 8, request_id=tag)["tokens"] == cluster.single_output(local, 8)
+                assert steps_of(ctl, tag) == base[side], (side, steps_of(ctl, tag), base[side])
+                # Its first dial of the blackhole (60 s connect_timeout) has not given up yet: no
+                # step waited for it.
+                assert f"cannot reach {bh.addr}" not in srv.log_tail(200000), side
+            assert not hung.done(), f"the blackholed request ended: {hung.result}"
+            assert cluster.d.metric("vllm:num_requests_waiting") >= 1.0  # D's scheduler still holds it
+        finally:
+            hung.cancel()
+        assert wait_for(cluster.d_idle), "D holds the blackholed request after its client left"
+    finally:
+        bh.close()
 
 
 def test_p_killed_mid_request_fails_in_bounded_time_and_d_leaks_nothing(cluster):
