@@ -271,6 +271,40 @@ def test_incompatible_layout_is_refused_with_the_message(pair, caplog, field, d_
     assert any('"outcome":"failed"' in r for r in timeline(d))
 
 
+def test_request_queued_on_p_outlives_wait_for_p(pair):
+    """P runs one request at a time and is busy with a local one: the P/D request waits in P's
+    queue for several times D's wait-for-P deadline (1 s here; 30 s was the old default) and
+    still completes with every byte right, because P reported it queued the moment vLLM queued
+    it (0.33's on_new_request). vLLM 0.18.1 has no such hook: P reports a request when it is
+    first allocated, so there D's deadline (60 s by default) bounds how long P may queue it."""
+    import time
+
+    if not hasattr(vllm.distributed.kv_transfer.kv_connector.v1.base.KVConnectorBase_V1, "on_new_request"):
+        msg = f"SKIPPED: vLLM {vllm.__version__} has no on_new_request hook: P acknowledges at allocation"
+        print(msg)
+        pytest.skip(msg)
+    wait_s = 1.0
+    d, p = pair({"policy": "lazy", "wait_for_p_timeout": wait_s}, {}, p_kw={"max_num_seqs": 1})
+    occupant = make_request("p/busy", 40, None, max_tokens=1500)
+    p.sched.add_request(occupant)
+    p.step(p_fill)  # the occupant holds P's only slot
+    dreq = d_request("q1", p)
+    d.sched.add_request(dreq)
+    preq = p_request("q1", d)
+    p.sched.add_request(preq)
+    start = time.monotonic()
+    assert run_until(lambda: time.monotonic() - start > 3 * wait_s or dreq.is_finished(),
+                     lambda: p.step(p_fill), d.step)
+    assert not dreq.is_finished(), dreq.status  # D did not give up on a request P has queued
+    assert preq.request_id not in p.conn._sched.p_reqs or not p.conn._sched.p_reqs[preq.request_id].scheduled
+    assert preq.num_computed_tokens == 0  # still queued behind the occupant
+    p.sched.finish_requests("p/busy", RequestStatus.FINISHED_ABORTED)
+    assert run_until(lambda: dreq.status == RequestStatus.RUNNING or dreq.is_finished(),
+                     lambda: p.step(p_fill), d.step)
+    assert dreq.status == RequestStatus.RUNNING, dreq.status
+    check_kv(d, "q1", list(d.sched.kv_cache_manager.get_block_ids(dreq.request_id)[0]))
+
+
 def test_p_unreachable_fails_the_request(pair):
     """P's control address does not answer: D fails the request through the load-error path
     instead of waiting forever (lazy: it held no block before)."""

@@ -56,10 +56,11 @@ def model_dir():
     return d
 
 
-def vllm_config(kv_role, extra, mdir, load_failure_policy="fail", tp=1, block=BLOCK, dtype="float32"):
+def vllm_config(kv_role, extra, mdir, load_failure_policy="fail", tp=1, block=BLOCK, dtype="float32",
+                max_num_seqs=16):
     mc = ModelConfig(model=mdir, skip_tokenizer_init=True, dtype=dtype, seed=42, max_model_len=2048)
     sc = SchedulerConfig(
-        max_num_seqs=16, max_num_batched_tokens=1024, max_model_len=2048,
+        max_num_seqs=max_num_seqs, max_num_batched_tokens=1024, max_model_len=2048,
         enable_chunked_prefill=True, is_encoder_decoder=False,
     )
     cc = CacheConfig(block_size=block, gpu_memory_utilization=0.9, enable_prefix_caching=True)

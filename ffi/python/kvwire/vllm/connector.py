@@ -127,6 +127,10 @@ class KvwireConnector(KVConnectorBase_V1, compat.SupportsHMA):
     def get_num_new_matched_tokens(self, request, num_computed_tokens):
         return self._sched.get_num_new_matched_tokens(request, num_computed_tokens)
 
+    def on_new_request(self, request):
+        """vLLM 0.33: a request was added to the scheduler (0.18.1 has no such hook)."""
+        self._sched.on_new_request(request)
+
     def update_state_after_alloc(self, request, blocks, num_external_tokens):
         self._sched.update_state_after_alloc(request, blocks, num_external_tokens)
 

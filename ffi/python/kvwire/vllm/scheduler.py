@@ -755,6 +755,16 @@ class SchedulerSide:
                 self._p_register(request)
 
     # ---- P: vLLM hooks ----
+    def on_new_request(self, request) -> None:
+        """P learns of a request as soon as vLLM queues it (0.33's ``on_new_request``), so D hears
+        it is queued (and stops counting its wait-for-P deadline) however long it waits for a
+        slot; without the hook (0.18.1) P registers it when it is first allocated."""
+        if not self.c._is_producer:
+            return
+        with self.lock:
+            self._p_register(request)
+            self._run_actions(_now())
+
     def _p_register(self, request) -> None:
         params = getattr(request, "kv_transfer_params", None) or {}
         try:
