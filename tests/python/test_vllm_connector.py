@@ -319,6 +319,33 @@ def test_p_unreachable_fails_the_request(pair):
     assert_no_leak(d)
 
 
+def test_p_back_at_an_unreachable_address_is_dialled_afresh(pair, mdir):
+    """D found P's address unreachable (nothing listened there); then a P starts at that address
+    (a restarted server): D's next request dials it again instead of failing on the old verdict,
+    and completes with every byte right."""
+    port = free_port()
+    d, _ = pair({"policy": "lazy"})
+    addr = f"127.0.0.1:{port}"
+    first = make_request("d/u1", 40, {"do_remote_prefill": True, "transfer_id": "u1", "remote_control": addr})
+    d.sched.add_request(first)
+    assert run_until(lambda: first.is_finished(), d.step)
+    assert addr in d.conn._sched.unreachable
+    p = Side("kv_producer", {"transport": os.environ.get("KVWIRE_TEST_TRANSPORT", "auto"), "peer_timeout": PEER_TIMEOUT,
+                             "data_listen": f"127.0.0.1:{free_port()}", "control_listen": addr}, mdir)
+    try:
+        assert p.conn.control_addr == addr
+        dreq = d_request("u2", p)
+        d.sched.add_request(dreq)
+        p.sched.add_request(p_request("u2", d))
+        assert run_until(lambda: dreq.status == RequestStatus.RUNNING or dreq.is_finished(),
+                         lambda: p.step(p_fill), d.step)
+        assert dreq.status == RequestStatus.RUNNING, dreq.status
+        check_kv(d, "u2", list(d.sched.kv_cache_manager.get_block_ids(dreq.request_id)[0]))
+        assert not d.conn._sched.redial_of
+    finally:
+        p.close()
+
+
 def test_envelope_rejects_garbage():
     from kvwire.vllm import envelope as env
 

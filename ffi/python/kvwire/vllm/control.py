@@ -105,6 +105,7 @@ class _Out:
     inflight: list = field(default_factory=list)
     dropped: int = 0
     probe: bool = False  # connect even with nothing queued (to exchange hellos)
+    failed: int = 0  # dials of this address that failed so far
 
 
 class ControlPlane:
@@ -176,6 +177,25 @@ class ControlPlane:
             if out.peer is None and not out.connecting and not out.queue:
                 out.probe = True
             self._tx_cv.notify()
+
+    def redial(self, addr: str) -> int:
+        """Dials ``addr`` again now (backoff skipped) unless a connection is up or being made;
+        returns how many dials of it failed so far (see :meth:`failed_dials`)."""
+        with self._lock:
+            out = self._outs.get(addr)
+            if out is None:
+                out = self._outs[addr] = _Out(addr)
+            if out.peer is None and not out.connecting:
+                out.probe = True
+                out.retry_at = 0.0
+            self._tx_cv.notify()
+            return out.failed
+
+    def failed_dials(self, addr: str) -> int:
+        """How many dials of ``addr`` failed so far."""
+        with self._lock:
+            out = self._outs.get(addr)
+            return out.failed if out is not None else 0
 
     def recv(self, timeout: float) -> tuple[list, list]:
         """``(envelopes, events)`` that arrived, waiting up to ``timeout`` seconds for the first."""
@@ -329,6 +349,7 @@ class ControlPlane:
         except kvwire.KvwireError as e:
             with self._lock:
                 o.connecting = False
+                o.failed += 1
                 o.backoff = min(BACKOFF_MAX, max(BACKOFF_MIN, o.backoff * 2))
                 o.retry_at = time.monotonic() + o.backoff
                 first = not o.down_reported

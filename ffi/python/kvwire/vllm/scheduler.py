@@ -147,6 +147,7 @@ class SchedulerSide:
         self.addr_of_pid: dict[int, str] = {}  # the address the peer advertises
         self.dialled_of_pid: dict[int, str] = {}  # the address we reached it at
         self.unreachable: set[str] = set()  # addresses that could not be dialled
+        self.redial_of: dict[str, int] = {}  # D request -> failed dials of its P's address when it asked
         self.engine_of_pid: dict[int, str] = {}
         self.heard: set[int] = set()
         self.incompatible: dict[int, list[str]] = {}
@@ -663,8 +664,18 @@ class SchedulerSide:
                         return self._fail_early(request, dp, tokens)
                     addr = r
                 if addr in self.unreachable:
+                    # A verdict older than this request is not its answer (P may have come back
+                    # since, and nothing dials an idle address): one fresh dial decides.
+                    seen = self.redial_of.get(req)
+                    if seen is None:
+                        self.redial_of[req] = self.control.redial(addr)
+                        return None, False
+                    if self.control.failed_dials(addr) <= seen:
+                        return None, False  # that dial is on its way
+                    self.redial_of.pop(req, None)
                     logger.warning("kvwire: request %s: P at %s cannot be reached", req, addr)
                     return self._fail_early(request, dp, tokens)
+                self.redial_of.pop(req, None)
                 pid = self._pid_for_addr(addr)
                 if pid is None:
                     return None, False  # P's identity is on its way (first request to it)
@@ -911,6 +922,7 @@ class SchedulerSide:
 
         with self.lock:
             now = _now()
+            self.redial_of.pop(req, None)
             st = self.d_reqs.get(req)
             if st is not None:
                 return self._d_finished(st, now)
