@@ -275,14 +275,9 @@ def test_request_queued_on_p_outlives_wait_for_p(pair):
     """P runs one request at a time and is busy with a local one: the P/D request waits in P's
     queue for several times D's wait-for-P deadline (1 s here; 30 s was the old default) and
     still completes with every byte right, because P reported it queued the moment vLLM queued
-    it (0.33's on_new_request). vLLM 0.18.1 has no such hook: P reports a request when it is
-    first allocated, so there D's deadline (60 s by default) bounds how long P may queue it."""
+    it (``on_new_request``: vLLM 0.33's call, backported to 0.18.1 by kvwire.vllm.compat)."""
     import time
 
-    if not hasattr(vllm.distributed.kv_transfer.kv_connector.v1.base.KVConnectorBase_V1, "on_new_request"):
-        msg = f"SKIPPED: vLLM {vllm.__version__} has no on_new_request hook: P acknowledges at allocation"
-        print(msg)
-        pytest.skip(msg)
     wait_s = 1.0
     d, p = pair({"policy": "lazy", "wait_for_p_timeout": wait_s}, {}, p_kw={"max_num_seqs": 1})
     occupant = make_request("p/busy", 40, None, max_tokens=1500)

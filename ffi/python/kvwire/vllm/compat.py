@@ -1,5 +1,7 @@
 """The differences between vLLM 0.18.1 and 0.33.0 that the connector depends on."""
 
+import logging
+
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorHandshakeMetadata, KVConnectorMetadata
 
 try:  # 0.33.0 and later
@@ -57,3 +59,36 @@ def preempted_ids(arg):
     if isinstance(arg, KVConnectorMetadata):
         return set(getattr(arg, "preempted_req_ids", ()) or ())
     return set(arg or ())
+
+
+def backport_on_new_request() -> bool:
+    """vLLM 0.33.0's Scheduler calls ``connector.on_new_request(request)`` as it queues a request;
+    0.18.1's tells the connector of a request only when it first tries to allocate it, so a P
+    could not report a request queued behind others. Where the hook is missing, this wraps
+    ``Scheduler.add_request`` (once per process) to make the same call after the request was
+    queued. Returns whether the call is made (by vLLM or by the wrap)."""
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorBase_V1
+
+    if hasattr(KVConnectorBase_V1, "on_new_request"):
+        return True
+    try:
+        from vllm.v1.core.sched.scheduler import Scheduler
+    except ImportError:
+        return False
+    if getattr(Scheduler.add_request, "_kvwire_backport", False):
+        return True
+    plain = Scheduler.add_request
+
+    def add_request(self, request):
+        new = request.request_id not in self.requests
+        plain(self, request)
+        hook = getattr(getattr(self, "connector", None), "on_new_request", None)
+        if new and hook is not None and request.request_id in self.requests:
+            try:
+                hook(request)
+            except Exception:  # noqa: BLE001 - the connector must never break vLLM's add_request
+                logging.getLogger("kvwire.vllm").exception("kvwire: on_new_request failed")
+
+    add_request._kvwire_backport = True
+    Scheduler.add_request = add_request
+    return True

@@ -107,6 +107,7 @@ class KvwireConnector(KVConnectorBase_V1, compat.SupportsHMA):
         self._tp = compat.tp_size(vllm_config)
         self._sched = self._worker = None
         if role == KVConnectorRole.SCHEDULER:
+            compat.backport_on_new_request()
             self._sched = SchedulerSide(self)
             self._log_graph_mode(vllm_config)
         else:
@@ -128,7 +129,8 @@ class KvwireConnector(KVConnectorBase_V1, compat.SupportsHMA):
         return self._sched.get_num_new_matched_tokens(request, num_computed_tokens)
 
     def on_new_request(self, request):
-        """vLLM 0.33: a request was added to the scheduler (0.18.1 has no such hook)."""
+        """A request was queued by the scheduler (0.33: vLLM's call; 0.18.1: the wrap of
+        :func:`compat.backport_on_new_request`)."""
         self._sched.on_new_request(request)
 
     def update_state_after_alloc(self, request, blocks, num_external_tokens):

@@ -767,9 +767,9 @@ class SchedulerSide:
 
     # ---- P: vLLM hooks ----
     def on_new_request(self, request) -> None:
-        """P learns of a request as soon as vLLM queues it (0.33's ``on_new_request``), so D hears
-        it is queued (and stops counting its wait-for-P deadline) however long it waits for a
-        slot; without the hook (0.18.1) P registers it when it is first allocated."""
+        """P learns of a request as soon as vLLM queues it (``on_new_request``; on 0.18.1 through
+        :func:`compat.backport_on_new_request`), so D hears it is queued (and stops counting its
+        wait-for-P deadline) however long it waits for a slot."""
         if not self.c._is_producer:
             return
         with self.lock:
