@@ -173,6 +173,57 @@ def test_eager_layerwise_sends_during_the_forward(pair):
     assert_no_leak(p)
 
 
+def chunk_fill(side, so, li, name):
+    """P's stand-in attention for chunked prefills: every block a scheduled request holds gets
+    its pattern (a later chunk's blocks too, which ``p_fill`` leaves alone)."""
+    for rid in so.num_scheduled_tokens:
+        for i, b in enumerate(side.sched.kv_cache_manager.get_block_ids(rid)[0]):
+            side.kv[name][:, b] = kv_pattern(rid.split("/")[-1], li, i, side.rank, side.heads)
+
+
+@pytest.mark.parametrize("policy", ["eager", "lazy", "land"])
+def test_layer0_of_chunk0_lands_before_the_later_chunks_run(pair, policy):
+    """A prompt of four chunks on P (max_num_batched_tokens 32, blocks of 16: two blocks a
+    chunk), layerwise: inside P's first chunk's forward, between its layers 0 and 1, layer 0 of
+    that chunk's two blocks is already on D (in its reserved KV blocks, or in its landing slots
+    for land), so it landed before any later chunk ran, lazy and land as well as eager (D's
+    reservation or slots reached P's workers in time). Then every byte lands."""
+    d, p = pair({"policy": policy, "land_pool_blocks": 16}, {"send_mode": "layerwise"},
+                p_kw={"max_num_batched_tokens": 32})
+    dreq = d_request("c4", p, tokens=128)
+    d.sched.add_request(dreq)
+    p.sched.add_request(p_request("c4", d, tokens=128))
+    early = []
+
+    def on_d():
+        st = d.conn._sched.d_reqs.get("d/c4")
+        if st is None:
+            return False
+        if policy == "land":
+            if not st.slots:
+                return False
+            where = [(d.worker._worker.landing[LAYERS[0]], st.slots[i]) for i in range(2)]
+        else:
+            ids = d.sched.kv_cache_manager.get_block_ids("d/c4")[0] if dreq.status == RequestStatus.WAITING_FOR_REMOTE_KVS else []
+            if len(ids) < 2:
+                return False
+            where = [(d.kv[LAYERS[0]], ids[i]) for i in range(2)]
+        return all(torch.equal(t[:, b], kv_pattern("c4", 0, i)) for i, (t, b) in enumerate(where))
+
+    def fill(side, so, li, name):
+        chunk_fill(side, so, li, name)
+        first = any(n.req_id == "p/c4" for n in so.scheduled_new_reqs)
+        if first and li == 1:
+            # P is inside its first chunk's forward: D steps (its reservation, its slots) until
+            # layer 0 of this chunk is there.
+            early.append(run_until(on_d, d.step))
+
+    assert run_until(lambda: dreq.status == RequestStatus.RUNNING or dreq.is_finished(), lambda: p.step(fill), d.step)
+    assert early == [True], early
+    assert dreq.status == RequestStatus.RUNNING, dreq.status
+    check_kv(d, "c4", list(d.sched.kv_cache_manager.get_block_ids(dreq.request_id)[0]))
+
+
 def test_abort_while_waiting_frees_everything(pair):
     d, p = pair({"policy": "lazy"})
     dreq = d_request("r3", p)

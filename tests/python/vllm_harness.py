@@ -57,10 +57,10 @@ def model_dir():
 
 
 def vllm_config(kv_role, extra, mdir, load_failure_policy="fail", tp=1, block=BLOCK, dtype="float32",
-                max_num_seqs=16):
+                max_num_seqs=16, max_num_batched_tokens=1024):
     mc = ModelConfig(model=mdir, skip_tokenizer_init=True, dtype=dtype, seed=42, max_model_len=2048)
     sc = SchedulerConfig(
-        max_num_seqs=max_num_seqs, max_num_batched_tokens=1024, max_model_len=2048,
+        max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens, max_model_len=2048,
         enable_chunked_prefill=True, is_encoder_decoder=False,
     )
     cc = CacheConfig(block_size=block, gpu_memory_utilization=0.9, enable_prefix_caching=True)
@@ -139,6 +139,14 @@ class Side:
         self.aggregator = KVOutputAggregator(tp)
         self.invalid = set()
 
+    def _sampled(self, rid):
+        """What the model samples for ``rid`` this step: nothing while its prefill is partial
+        (a chunk before the last, as vLLM's model runner does), else one token."""
+        r = self.sched.requests.get(rid)
+        if r is not None and r.num_computed_tokens < r.num_prompt_tokens:
+            return []
+        return [7]
+
     def free_blocks(self):
         return self.sched.kv_cache_manager.block_pool.get_num_free_blocks()
 
@@ -167,7 +175,7 @@ class Side:
             w.clear_connector_metadata()
             outs.append(ModelRunnerOutput(
                 req_ids=ids, req_id_to_index={r: i for i, r in enumerate(ids)},
-                sampled_token_ids=[[7] for _ in ids], logprobs=None, prompt_logprobs_dict={},
+                sampled_token_ids=[self._sampled(r) for r in ids], logprobs=None, prompt_logprobs_dict={},
                 pooler_output=None,
                 kv_connector_output=KVConnectorOutput(finished_sending=sending, finished_recving=recving,
                                                       invalid_block_ids=invalid),
