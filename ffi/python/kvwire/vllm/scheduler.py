@@ -147,6 +147,8 @@ class SchedulerSide:
         self.addr_of_pid: dict[int, str] = {}  # the address the peer advertises
         self.dialled_of_pid: dict[int, str] = {}  # the address we reached it at
         self.unreachable: set[str] = set()  # addresses that could not be dialled
+        # addresses whose engine answered our hello on the connection now up (see _pid_for_addr)
+        self.answered: set[str] = set()
         self.redial_of: dict[str, int] = {}  # D request -> failed dials of its P's address when it asked
         self.engine_of_pid: dict[int, str] = {}
         self.heard: set[int] = set()
@@ -211,7 +213,9 @@ class SchedulerSide:
         the engine there to answer our hello (one round trip, once per peer). An address that
         cannot be reached is in ``self.unreachable``."""
         eid = self.control.engine_at.get(addr)
-        if eid is None:
+        if eid is None or addr not in self.answered:
+            # Unknown, or its connection was lost since it last answered (it may have restarted:
+            # the same engine id in a new incarnation): its next hello reply says who is there.
             self.control.probe(addr)
             return None
         pid = self._pid_for_engine(eid, self.control.addr_of.get(eid, addr))
@@ -277,6 +281,8 @@ class SchedulerSide:
         """An address that cannot be dialled before its engine ever answered: requests naming
         it fail now (a dead peer or a wrong address), instead of waiting for a deadline. A peer
         known before is judged by its heartbeats."""
+        if kind != "reachable":
+            self.answered.discard(addr)
         if kind == "reachable":
             self.unreachable.discard(addr)
         elif kind == "refused":
@@ -316,6 +322,10 @@ class SchedulerSide:
                 for core in self._cores():
                     self._core_call(core.peer_down, old, now, quiet=True)
         if e.kind in (env.HELLO, env.HELLO_REPLY):
+            if e.kind == env.HELLO_REPLY:
+                reached = self.control.peer_hello.get(e.engine_id, {}).get("reached_as")
+                if isinstance(reached, str):
+                    self.answered.add(reached)
             pid = self._pid_for_engine(e.engine_id, e.control)
             self.heard.add(pid)
             self._check_peer(pid, self.control.peer_hello.get(e.engine_id, {}))
