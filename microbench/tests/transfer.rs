@@ -250,11 +250,9 @@ fn target_region_too_small_is_a_plan_error() {
     }
 }
 
-/// Notifications that are not bench tags are counted, not trusted, and the target keeps
-/// serving.
-#[test]
-fn garbage_notifications_do_not_break_the_target() {
-    let t = target(TransportKind::Auto, None, None);
+/// A second engine connected to `t`, and a write into the ignored bytes of its control region
+/// (a carrier for notifications that are not the bench's).
+fn notifier(t: &Target) -> (Engine, kvwire_transfer::Peer, Op) {
     let e = Engine::new(EngineConfig {
         transport: TransportKind::Tcp,
         ..EngineConfig::default()
@@ -267,9 +265,18 @@ fn garbage_notifications_do_not_break_the_target() {
         local: src,
         local_offset: 0,
         remote: ctrl.id,
-        remote_offset: 2048,
+        remote_offset: kvwire_bench::target::FLUSH_OFFSET,
         len: 8,
     };
+    (e, peer, op)
+}
+
+/// Notifications that are not bench tags are counted, not trusted, and the target keeps
+/// serving.
+#[test]
+fn garbage_notifications_do_not_break_the_target() {
+    let t = target(TransportKind::Auto, None, None);
+    let (e, peer, op) = notifier(&t);
     for tag in [
         &b"not a tag"[..],
         &[0u8; 36][..],
@@ -447,21 +454,7 @@ fn hostile_tags_cost_bounded_cpu() {
         );
         std::thread::sleep(Duration::from_millis(1));
     }
-    let e = Engine::new(EngineConfig {
-        transport: TransportKind::Tcp,
-        ..EngineConfig::default()
-    })
-    .unwrap();
-    let peer = e.connect(t.addr()).unwrap();
-    let ctrl = peer.regions().into_iter().find(|r| r.len == 4096).unwrap();
-    let src = e.alloc_region(4096, Access::Local).unwrap();
-    let op = Op {
-        local: src,
-        local_offset: 0,
-        remote: ctrl.id,
-        remote_offset: 2048,
-        len: 8,
-    };
+    let (e, peer, op) = notifier(&t);
     let spin = Tag {
         run: 0xbad,
         phase: Phase::Flush,
