@@ -92,3 +92,14 @@ def backport_on_new_request() -> bool:
     add_request._kvwire_backport = True
     Scheduler.add_request = add_request
     return True
+
+
+def count_uncached(request) -> None:
+    """A request about to fail through the KV load-error path before it was ever scheduled still
+    has ``num_cached_tokens == -1`` (vLLM's "not counted yet"). vLLM 0.18.1 puts that -1 into the
+    failed request's output, and its frontend's prompt-token stats then add a negative count to a
+    Prometheus counter: ``ValueError`` in the output handler, and the API server dies. Counting
+    the request as having no cached token (what is true of it) avoids that on every version."""
+    n = getattr(request, "num_cached_tokens", 0)
+    if isinstance(n, int) and n < 0:
+        request.num_cached_tokens = 0

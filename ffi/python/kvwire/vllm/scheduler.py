@@ -94,6 +94,7 @@ class _DReq:
     first_pending: bool = False
     slots: list | None = None  # land: landing-pool slots
     loads: dict = field(default_factory=dict)
+    request: object = None  # vLLM's Request (see build_connector_meta)
 
 
 @dataclass
@@ -695,7 +696,7 @@ class SchedulerSide:
                 blocks = -(-request.num_prompt_tokens // bs)
                 now = _now()
                 st = _DReq(req=req, key=key, pid=pid, policy=policy, core=core, prompt=request.num_prompt_tokens,
-                           blocks=blocks, transfer_id=dp.transfer_id)
+                           blocks=blocks, transfer_id=dp.transfer_id, request=request)
                 loads = scheduler_loads()
                 st.loads = {f"d_{k}": v for k, v in loads.items()}
                 if pid in self.incompatible:
@@ -732,7 +733,8 @@ class SchedulerSide:
 
     def _fail_early(self, request, dp, tokens):
         st = _DReq(req=request.request_id, key=request_key(dp.transfer_id), pid=0, policy=self.opts.policy,
-                   core=None, prompt=request.num_prompt_tokens, blocks=0, transfer_id=dp.transfer_id, failed_early=True)
+                   core=None, prompt=request.num_prompt_tokens, blocks=0, transfer_id=dp.transfer_id, failed_early=True,
+                   request=request)
         self.d_reqs[st.req] = st
         return tokens, True
 
@@ -850,6 +852,10 @@ class SchedulerSide:
                             st.promoted = True
                             st.first_pending = True
             self._run_actions(now)
+            for r in self.out_failed:
+                st = self.d_reqs.get(r)
+                if st is not None:
+                    compat.count_uncached(st.request)
             meta = KvwireConnectorMetadata(
                 finished_recving=self.out_recv,
                 recv_block_ids={r: list(self.d_reqs[r].core.reserved_blocks(self.d_reqs[r].key))
