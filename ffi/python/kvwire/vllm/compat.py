@@ -61,22 +61,20 @@ def preempted_ids(arg):
     return set(arg or ())
 
 
-def backport_on_new_request() -> bool:
+def backport_on_new_request() -> None:
     """vLLM 0.33.0's Scheduler calls ``connector.on_new_request(request)`` as it queues a request;
     0.18.1's tells the connector of a request only when it first tries to allocate it, so a P
     could not report a request queued behind others. Where the hook is missing, this wraps
     ``Scheduler.add_request`` (once per process) to make the same call after the request was
-    queued. Returns whether the call is made (by vLLM or by the wrap)."""
+    queued."""
     from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorBase_V1
 
     if hasattr(KVConnectorBase_V1, "on_new_request"):
-        return True
-    try:
-        from vllm.v1.core.sched.scheduler import Scheduler
-    except ImportError:
-        return False
+        return
+    from vllm.v1.core.sched.scheduler import Scheduler
+
     if getattr(Scheduler.add_request, "_kvwire_backport", False):
-        return True
+        return
     plain = Scheduler.add_request
 
     def add_request(self, request):
@@ -91,7 +89,6 @@ def backport_on_new_request() -> bool:
 
     add_request._kvwire_backport = True
     Scheduler.add_request = add_request
-    return True
 
 
 def count_uncached(request) -> None:

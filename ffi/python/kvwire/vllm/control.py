@@ -167,27 +167,18 @@ class ControlPlane:
             out.queue.append(tag)
             self._tx_cv.notify()
 
-    def probe(self, addr: str) -> None:
+    def probe(self, addr: str, now: bool = False) -> int:
         """Makes sure a connection to ``addr`` is being made, so that the engine there answers
-        our hello (``engine_at[addr]`` is then set)."""
+        our hello (``engine_at[addr]`` is then set); ``now``: dial at once, backoff skipped.
+        Returns how many dials of it failed so far (see :meth:`failed_dials`)."""
         with self._lock:
             out = self._outs.get(addr)
             if out is None:
                 out = self._outs[addr] = _Out(addr)
-            if out.peer is None and not out.connecting and not out.queue:
+            if out.peer is None and not out.connecting and (now or not out.queue):
                 out.probe = True
-            self._tx_cv.notify()
-
-    def redial(self, addr: str) -> int:
-        """Dials ``addr`` again now (backoff skipped) unless a connection is up or being made;
-        returns how many dials of it failed so far (see :meth:`failed_dials`)."""
-        with self._lock:
-            out = self._outs.get(addr)
-            if out is None:
-                out = self._outs[addr] = _Out(addr)
-            if out.peer is None and not out.connecting:
-                out.probe = True
-                out.retry_at = 0.0
+                if now:
+                    out.retry_at = 0.0
             self._tx_cv.notify()
             return out.failed
 

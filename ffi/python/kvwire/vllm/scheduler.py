@@ -280,13 +280,14 @@ class SchedulerSide:
 
     def _on_reachability(self, kind: str, addr: str, now: int) -> None:
         """An address that cannot be dialled before its engine ever answered: requests naming
-        it fail now (a dead peer or a wrong address), instead of waiting for a deadline. A peer
-        known before is judged by its heartbeats."""
-        if kind != "reachable":
-            self.answered.discard(addr)
+        it fail (a dead peer or a wrong address) once a dial made after they arrived failed too,
+        instead of waiting for a deadline. A peer known before is judged by its heartbeats; a
+        lost connection means its engine is identified afresh before the next request binds."""
         if kind == "reachable":
             self.unreachable.discard(addr)
-        elif kind == "refused":
+            return
+        self.answered.discard(addr)
+        if kind == "refused":
             eid = self.control.engine_at.get(addr)
             pid = self.pid_of_engine.get(eid) if eid else None
             if pid is not None:
@@ -679,7 +680,7 @@ class SchedulerSide:
                     # since, and nothing dials an idle address): one fresh dial decides.
                     seen = self.redial_of.get(req)
                     if seen is None:
-                        self.redial_of[req] = self.control.redial(addr)
+                        self.redial_of[req] = self.control.probe(addr, now=True)
                         return None, False
                     if self.control.failed_dials(addr) <= seen:
                         return None, False  # that dial is on its way
