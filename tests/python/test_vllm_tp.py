@@ -8,7 +8,6 @@ through the load-error path with nothing leaked."""
 
 import os
 import pickle
-import socket
 
 import pytest
 
@@ -17,6 +16,7 @@ vllm = pytest.importorskip("vllm", reason="vLLM not installed in this venv (run 
 import torch  # noqa: E402
 
 import kvwire  # noqa: E402
+from kvwire.testing.ports import free_port_run  # noqa: E402
 from kvwire.vllm import envelope as env  # noqa: E402
 from kvwire.vllm.connector import KvwireHandshake, rank_listen, request_key  # noqa: E402
 from vllm_harness import (  # noqa: E402
@@ -29,27 +29,6 @@ TP = 2
 @pytest.fixture(scope="module")
 def mdir():
     return model_dir()
-
-
-def free_port_run(n):
-    """A port p with p .. p+n-1 all free now (bounded tries)."""
-    for _ in range(50):
-        base = free_port()
-        if base + n > 65535:
-            continue
-        socks = []
-        try:
-            for i in range(n):
-                s = socket.socket()
-                socks.append(s)
-                s.bind(("127.0.0.1", base + i))
-            return base
-        except OSError:
-            continue
-        finally:
-            for s in socks:
-                s.close()
-    raise RuntimeError(f"no run of {n} free ports found")
 
 
 @pytest.fixture

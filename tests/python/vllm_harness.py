@@ -9,12 +9,12 @@ their outputs merged by vLLM's own KVOutputAggregator as the executor does."""
 
 import json
 import os
-import socket
 import tempfile
 import time
 from unittest import mock
 
 import torch
+from kvwire.testing.ports import free_port
 from vllm import SamplingParams
 from vllm.config import CacheConfig, DeviceConfig, KVTransferConfig, ModelConfig, ParallelConfig, SchedulerConfig, VllmConfig
 from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
@@ -33,14 +33,6 @@ LAYERS = ["model.layers.0.self_attn.attn", "model.layers.1.self_attn.attn"]
 HEADS, HEAD_DIM = 2, 8
 EOS = 999
 _init = False
-
-
-def free_port():
-    s = socket.socket()
-    s.bind(("127.0.0.1", 0))
-    p = s.getsockname()[1]
-    s.close()
-    return p
 
 
 def model_dir():

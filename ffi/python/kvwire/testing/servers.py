@@ -17,23 +17,15 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
 import subprocess
 import time
 import urllib.error
 import urllib.request
 
 from kvwire.testing import model as _model
+from kvwire.testing.ports import free_port  # noqa: F401  (re-exported for the e2e tests)
 
 WORKER_CLS = "kvwire.testing.worker.StandInWorker"
-
-
-def free_port() -> int:
-    s = socket.socket()
-    s.bind(("127.0.0.1", 0))
-    port = s.getsockname()[1]
-    s.close()
-    return port
 
 
 class ServerError(RuntimeError):
