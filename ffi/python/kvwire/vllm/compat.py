@@ -1,6 +1,7 @@
 """The differences between vLLM 0.18.1 and 0.33.0 that the connector depends on."""
 
 import logging
+import sys
 
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorHandshakeMetadata, KVConnectorMetadata
 
@@ -100,3 +101,20 @@ def count_uncached(request) -> None:
     n = getattr(request, "num_cached_tokens", 0)
     if isinstance(n, int) and n < 0:
         request.num_cached_tokens = 0
+
+
+def scheduler_loads() -> dict:
+    """``{"waiting": n, "running": n}`` of the vLLM scheduler that is calling the connector (its
+    frame is on the stack; read-only, best effort: ``{}`` when it is not found)."""
+    f = sys._getframe(2)
+    for _ in range(6):
+        if f is None:
+            break
+        s = f.f_locals.get("self")
+        if s is not None and hasattr(s, "waiting") and hasattr(s, "running"):
+            try:
+                return {"waiting": len(s.waiting), "running": len(s.running)}
+            except TypeError:
+                return {}
+        f = f.f_back
+    return {}

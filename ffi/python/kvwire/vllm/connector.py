@@ -5,7 +5,9 @@ vLLM builds the connector twice: in the scheduler (``role=SCHEDULER``) and in ea
 
 * :mod:`kvwire.vllm.scheduler` — the P/D protocol cores, driven by the connector's own thread
   over the control plane (:mod:`kvwire.vllm.control`): the scheduler hooks never wait on the
-  network, and everything keeps moving while the engine is idle;
+  network, and everything keeps moving while the engine is idle; what the hooks do with a D
+  request is in :mod:`kvwire.vllm.d_requests`, with a P request in :mod:`kvwire.vllm.p_requests`,
+  and who the peers are in :mod:`kvwire.vllm.peers`;
 * :mod:`kvwire.vllm.worker` — the KV caches in a data engine; P writes every (chunk, layer)
   piece as soon as its forward computed it, straight into D's blocks (or D's landing pool);
 * :mod:`kvwire.vllm.options` — ``kv_connector_extra_config`` and ``kv_transfer_params`` (kvwire's

@@ -29,6 +29,7 @@ did not overlap in time). Payloads by kind:
 
 from __future__ import annotations
 
+import hashlib
 import json
 import struct
 from dataclasses import dataclass
@@ -164,3 +165,8 @@ def message_request(payload: bytes) -> int | None:
     if len(payload) < 16 or payload[3] == 8:
         return None
     return struct.unpack_from("<Q", payload, 8)[0]
+
+
+def request_key(transfer_id: str) -> int:
+    """The 64-bit request id both sides derive from the shared transfer id."""
+    return int.from_bytes(hashlib.blake2b(transfer_id.encode(), digest_size=8).digest(), "little")
