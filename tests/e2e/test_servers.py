@@ -17,6 +17,7 @@ import glob
 import http.client
 import json
 import os
+import re
 import socket
 import subprocess
 import sys
@@ -233,6 +234,78 @@ def test_mooncake_connector_params_drive_it_unchanged(cluster):
     assert wait_for(cluster.d_idle)
 
 
+class Proc:
+    """A ``python -m kvwire.<tool>`` child process, its output in a log file."""
+
+    def __init__(self, root, name, args):
+        self.log = os.path.join(root, f"{name}.log")
+        self.fh = open(self.log, "w")
+        self.p = subprocess.Popen([sys.executable, "-m", *args], stdout=self.fh, stderr=subprocess.STDOUT)
+
+    def text(self):
+        self.fh.flush()
+        with open(self.log) as f:
+            return f.read()
+
+    def stop(self):
+        if self.p.poll() is None:
+            self.p.terminate()
+            try:
+                self.p.wait(20)
+            except subprocess.TimeoutExpired:
+                self.p.kill()
+                self.p.wait(20)
+        self.fh.close()
+
+
+def test_proxy_replays_an_agentic_trace_every_output_checked(cluster):
+    """``python -m kvwire.proxy`` in front of the real P and D, ``python -m kvwire.replay``
+    replaying 50 turns of 5 sessions (later turns extend the earlier prompts) through it,
+    streamed: every output equals what the model generates for its prompt, the proxy wrote a
+    router record per request (the calibration test below joins them with the connectors'
+    timelines), and D holds nothing afterwards."""
+    from kvwire.replay.trace import generate
+
+    trace = os.path.join(cluster.root, "trace.jsonl")
+    with open(trace, "w") as f:
+        for rec in generate(sessions=5, turns=(10, 10), contexts=(100, 1000), reuse=0.93, outputs=(2, 6),
+                            session_gap_s=0.5, think_s=0.3, seed=7):
+            f.write(json.dumps(rec) + "\n")
+    port = free_port()
+    proxy = Proc(cluster.root, "proxy", [
+        "kvwire.proxy", "--port", str(port), "--records", cluster.timelines, "--wait-ready", "30",
+        "--prefill", f"{cluster.p.url},control=127.0.0.1:{cluster.p_control}",
+        "--decode", f"{cluster.d.url},control=127.0.0.1:{cluster.d_control}"])
+    out = os.path.join(cluster.root, "replay")
+    try:
+        assert wait_for(lambda: "listening on" in proxy.text() or proxy.p.poll() is not None, 60), proxy.text()
+        assert proxy.p.poll() is None, proxy.text()
+        r = subprocess.run([sys.executable, "-m", "kvwire.replay", "run", "--url", f"http://127.0.0.1:{port}",
+                            "--trace", trace, "--out", out, "--progress", "off"],
+                           capture_output=True, text=True, timeout=600)
+        print(r.stdout)
+        assert r.returncode == 0, r.stdout + r.stderr + proxy.text()[-3000:]
+    finally:
+        proxy.stop()
+    with open(os.path.join(out, "results.jsonl")) as f:
+        results = [json.loads(line) for line in f]
+    assert len(results) == 50 and len({r["session"] for r in results}) == 5
+    for res in results:
+        assert res["error"] is None, res["error"]
+        assert res["token_ids"] == reference(res["prompt_ids"], res["output_tokens"]), (res["session"], res["turn"])
+    with open(os.path.join(out, "report.json")) as f:
+        rep = json.load(f)
+    assert rep["overall"]["requests"] == 50 and rep["overall"]["errors"] == 0
+    assert rep["overall"]["ttft_s"]["p50"] is not None
+    routers = []
+    for fn in glob.glob(os.path.join(cluster.timelines, "router-*.jsonl")):
+        with open(fn) as f:
+            routers += [json.loads(line) for line in f if line.strip()]
+    assert len(routers) == 50
+    assert all(x["status"] == 200 and x["first_token_ns"] and x["p"] == cluster.p.url for x in routers)
+    assert wait_for(cluster.d_idle)
+
+
 def test_timelines_written_and_calibrated(cluster):
     """Both engines wrote their timelines; ``kvwire-bench calibrate --timeline DIR`` joins P's
     and D's records and fits them (it prints its held-out error)."""
@@ -251,6 +324,10 @@ def test_timelines_written_and_calibrated(cluster):
                        capture_output=True, text=True, timeout=300)
     print(r.stdout)
     assert r.returncode == 0, r.stdout + r.stderr
+    # The proxy test's router records are joined with D's by transfer id.
+    if glob.glob(os.path.join(cluster.timelines, "router-*.jsonl")):
+        m = re.search(r"router: (\d+) records, (\d+) matched", r.stdout + r.stderr)
+        assert m and int(m.group(1)) == 50 and int(m.group(2)) > 0, r.stdout + r.stderr
     with open(out) as f:
         model = json.load(f)
     assert model, "empty cost model"
