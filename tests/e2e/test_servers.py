@@ -258,12 +258,37 @@ class Proc:
         self.fh.close()
 
 
-def test_proxy_replays_an_agentic_trace_every_output_checked(cluster):
-    """``python -m kvwire.proxy`` in front of the real P and D, ``python -m kvwire.replay``
-    replaying 50 turns of 5 sessions (later turns extend the earlier prompts) through it,
-    streamed: every output equals what the model generates for its prompt, the proxy wrote a
-    router record per request (the calibration test below joins them with the connectors'
-    timelines), and D holds nothing afterwards."""
+@pytest.fixture(scope="module")
+def proxy(cluster):
+    """``python -m kvwire.proxy`` in front of the cluster's P and D, its router records written
+    beside the connectors' timelines; yields its URL."""
+    port = free_port()
+    proc = Proc(cluster.root, "proxy", [
+        "kvwire.proxy", "--port", str(port), "--records", cluster.timelines, "--wait-ready", "30",
+        "--prefill", f"{cluster.p.url},control=127.0.0.1:{cluster.p_control}",
+        "--decode", f"{cluster.d.url},control=127.0.0.1:{cluster.d_control}"])
+    try:
+        assert wait_for(lambda: "listening on" in proc.text() or proc.p.poll() is not None, 60), proc.text()
+        assert proc.p.poll() is None, proc.text()
+        proc.url, proc.port = f"http://127.0.0.1:{port}", port
+        yield proc
+    finally:
+        proc.stop()
+
+
+def router_records(cluster):
+    out = []
+    for fn in glob.glob(os.path.join(cluster.timelines, "router-*.jsonl")):
+        with open(fn) as f:
+            out += [json.loads(line) for line in f if line.strip()]
+    return out
+
+
+def test_proxy_replays_an_agentic_trace_every_output_checked(cluster, proxy):
+    """``python -m kvwire.replay`` replays 50 turns of 5 sessions (later turns extend the earlier
+    prompts) through the proxy, streamed: every output equals what the model generates for its
+    prompt, the proxy wrote a router record per request (the calibration test below joins them
+    with the connectors' timelines), and D holds nothing afterwards."""
     from kvwire.replay.trace import generate
 
     trace = os.path.join(cluster.root, "trace.jsonl")
@@ -271,22 +296,12 @@ def test_proxy_replays_an_agentic_trace_every_output_checked(cluster):
         for rec in generate(sessions=5, turns=(10, 10), contexts=(100, 1000), reuse=0.93, outputs=(2, 6),
                             session_gap_s=0.5, think_s=0.3, seed=7):
             f.write(json.dumps(rec) + "\n")
-    port = free_port()
-    proxy = Proc(cluster.root, "proxy", [
-        "kvwire.proxy", "--port", str(port), "--records", cluster.timelines, "--wait-ready", "30",
-        "--prefill", f"{cluster.p.url},control=127.0.0.1:{cluster.p_control}",
-        "--decode", f"{cluster.d.url},control=127.0.0.1:{cluster.d_control}"])
     out = os.path.join(cluster.root, "replay")
-    try:
-        assert wait_for(lambda: "listening on" in proxy.text() or proxy.p.poll() is not None, 60), proxy.text()
-        assert proxy.p.poll() is None, proxy.text()
-        r = subprocess.run([sys.executable, "-m", "kvwire.replay", "run", "--url", f"http://127.0.0.1:{port}",
-                            "--trace", trace, "--out", out, "--progress", "off"],
-                           capture_output=True, text=True, timeout=600)
-        print(r.stdout)
-        assert r.returncode == 0, r.stdout + r.stderr + proxy.text()[-3000:]
-    finally:
-        proxy.stop()
+    r = subprocess.run([sys.executable, "-m", "kvwire.replay", "run", "--url", proxy.url,
+                        "--trace", trace, "--out", out, "--progress", "off"],
+                       capture_output=True, text=True, timeout=600)
+    print(r.stdout)
+    assert r.returncode == 0, r.stdout + r.stderr + proxy.text()[-3000:]
     with open(os.path.join(out, "results.jsonl")) as f:
         results = [json.loads(line) for line in f]
     assert len(results) == 50 and len({r["session"] for r in results}) == 5
@@ -297,13 +312,51 @@ def test_proxy_replays_an_agentic_trace_every_output_checked(cluster):
         rep = json.load(f)
     assert rep["overall"]["requests"] == 50 and rep["overall"]["errors"] == 0
     assert rep["overall"]["ttft_s"]["p50"] is not None
-    routers = []
-    for fn in glob.glob(os.path.join(cluster.timelines, "router-*.jsonl")):
-        with open(fn) as f:
-            routers += [json.loads(line) for line in f if line.strip()]
+    routers = router_records(cluster)
     assert len(routers) == 50
     assert all(x["status"] == 200 and x["first_token_ns"] and x["p"] == cluster.p.url for x in routers)
     assert wait_for(cluster.d_idle)
+
+
+def idle_engine(server):
+    """No request running or waiting, no KV block in use (a local request first makes it step:
+    an idle engine publishes no stats)."""
+    try:
+        server.complete([5, 6, 7], 2)
+        busy = server.metric("vllm:num_requests_running") + server.metric("vllm:num_requests_waiting")
+        try:
+            usage = server.metric("vllm:kv_cache_usage_perc")
+        except KeyError:
+            usage = server.metric("vllm:gpu_cache_usage_perc")
+        return busy == 0 and usage == 0
+    except (KeyError, OSError, ServerError):
+        return False
+
+
+def test_client_gone_mid_stream_through_the_proxy_frees_p_and_d(cluster, proxy):
+    """A client that reads D's first token through the proxy and hangs up: D aborts the request
+    (the proxy's connection to it closed), and both engines end with no request and no block."""
+    n_before = len(router_records(cluster))
+    gen_before = cluster.d.metric("vllm:generation_tokens_total")
+    prompt = [(i * 7) % 900 + 10 for i in range(600)]
+    c = http.client.HTTPConnection("127.0.0.1", proxy.port, timeout=WAIT_S)
+    c.request("POST", "/v1/completions", json.dumps({
+        "model": "tiny", "prompt": prompt, "max_tokens": 3000, "temperature": 0, "ignore_eos": True,
+        "stream": True, "return_token_ids": True}).encode(), {"Content-Type": "application/json"})
+    r = c.getresponse()
+    assert r.status == 200
+    line = b""
+    while b"token_ids" not in line:
+        line = r.fp.readline()
+        assert line, "the stream ended before its first token"
+    c.sock.shutdown(socket.SHUT_RDWR)
+    c.close()
+    assert wait_for(lambda: len(router_records(cluster)) == n_before + 1)
+    assert router_records(cluster)[-1]["status"] == 499
+    assert wait_for(lambda: idle_engine(cluster.d) and idle_engine(cluster.p))
+    assert wait_for(cluster.d_idle)
+    # Aborted, not run to its end: D generated far fewer than the 3000 tokens asked for.
+    assert cluster.d.metric("vllm:generation_tokens_total") - gen_before < 1500
 
 
 def test_timelines_written_and_calibrated(cluster):
@@ -324,10 +377,11 @@ def test_timelines_written_and_calibrated(cluster):
                        capture_output=True, text=True, timeout=300)
     print(r.stdout)
     assert r.returncode == 0, r.stdout + r.stderr
-    # The proxy test's router records are joined with D's by transfer id.
-    if glob.glob(os.path.join(cluster.timelines, "router-*.jsonl")):
+    # The proxy tests' router records are joined with D's by transfer id.
+    routers = len(router_records(cluster))
+    if routers:
         m = re.search(r"router: (\d+) records, (\d+) matched", r.stdout + r.stderr)
-        assert m and int(m.group(1)) == 50 and int(m.group(2)) > 0, r.stdout + r.stderr
+        assert m and int(m.group(1)) == routers and int(m.group(2)) >= 50, r.stdout + r.stderr
     with open(out) as f:
         model = json.load(f)
     assert model, "empty cost model"
