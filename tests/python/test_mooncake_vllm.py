@@ -219,7 +219,10 @@ def test_mooncake_connector_d_unreachable_fails_the_pull(pd):
         assert run_until(lambda: d.call("call", "status", "x")[1], lambda: d.call("call", "step"))
         assert d.call("call", "status", "x")[0] != "RUNNING"
         got = set(d.call("attr", "invalid")) | set(d.call("attr", "failed"))
-        assert set(blocks) <= got or "x" in got, (got, blocks)
+        # The blocks that were to be loaded are reported: those past D's local prefix hit (an
+        # earlier test in this module may have left the prompt's full blocks cached on D, and
+        # cached blocks are not loaded), so the last, partial block always.
+        assert "x" in got or (blocks[-1] in got and got <= set(blocks)), (got, blocks)
     else:
         for _ in range(5):
             d.call("call", "step")
