@@ -7,6 +7,7 @@
 
 #![deny(missing_docs)]
 
+pub mod ab;
 pub mod calibrate;
 pub mod clock;
 pub mod costmodel;
@@ -19,6 +20,7 @@ pub mod spawn;
 pub mod stats;
 pub mod suite;
 pub mod target;
+pub mod venvs;
 pub mod wire;
 
 pub use error::BenchError;

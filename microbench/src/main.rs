@@ -50,6 +50,10 @@ enum Cmd {
     /// engine CPU, and in vLLM (when a venv is found) the scheduler and worker sides per
     /// connector, each figure next to its baseline.
     Tax(tax::TaxArgs),
+    /// The users' A/B with real vLLM servers: single instance, kv_both MooncakeConnector and
+    /// KvwireConnector, 1P1D per reservation policy × send mode, one agentic trace replayed
+    /// against each; ab.json, ab.md, ab.png.
+    Ab(kvwire_bench::ab::AbArgs),
     /// Print a new random shared secret (256 bits, 64 hex digits) for `--secret` and
     /// `EngineConfig::secret`: `SECRET=$(kvwire-bench secret)`.
     Secret,
@@ -161,6 +165,7 @@ fn main() -> ExitCode {
         Cmd::Clock(a) => Ok(kvwire_bench::clock::cli_main(&a)),
         Cmd::Report(a) => Ok(kvwire_bench::suite::run(&a)),
         Cmd::Tax(a) => Ok(tax::run(&a)),
+        Cmd::Ab(a) => Ok(kvwire_bench::ab::run(&a)),
         Cmd::Secret => {
             println!("{}", kvwire_transfer::new_secret());
             Ok(ExitCode::SUCCESS)

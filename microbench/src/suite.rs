@@ -12,13 +12,18 @@
 //! 4. `calibrate` — the router cost model fitted on that timeline, `cost.json`, with its
 //!    held-out error next to the seed model's;
 //! 5. `tax` — the always-on kv_both tax (connector core per step, idle engine CPU, vLLM's
-//!    scheduler and worker sides per connector when a venv is found, the block-pool figures
-//!    read from `clock.json`), `tax.json`; report.md's "kv_both tax" section.
+//!    scheduler and worker sides per connector, the block-pool figures read from
+//!    `clock.json`), `tax.json`; report.md's "kv_both tax" section;
+//! 6. `ab --quick` — the users' A/B with real `vllm serve` processes on CPU (stand-in model):
+//!    single instance, kv_both MooncakeConnector and KvwireConnector, 1P1D per policy × send
+//!    mode, one trace replayed against each; `ab/ab.json`, `ab/ab.md`, `ab/ab.png`.
 //!
-//! `report.md` collects what each step printed (its tables) and lists the files. A step that
-//! fails is reported as failed in `report.md` and makes the command exit non-zero; the other
-//! steps still run. Nothing here needs RDMA, a GPU or a service; without the vLLM venvs the
-//! vLLM parts of `tax` are SKIPPED (said in report.md) and the rest runs.
+//! The vLLM parts (tax's and ab) need the venvs of `tests/python/setup.sh`: when there are
+//! none they are installed first (announced with their size; `--no-vllm` skips those parts,
+//! and report.md says SKIPPED for them). `report.md` collects what each step printed (its
+//! tables) and lists the files. A step that fails is reported as failed in `report.md` and
+//! makes the command exit non-zero; the other steps still run. Nothing here needs RDMA, a GPU
+//! or a service.
 
 use std::fmt::Write as _;
 use std::path::{Path, PathBuf};
@@ -33,9 +38,12 @@ pub struct ReportArgs {
     /// Directory for report.md and every JSON/PNG/JSONL file (created if missing).
     #[arg(long, default_value = "kvwire-report")]
     pub out: PathBuf,
-    /// Shorter runs of every step (about a minute in all; figures are noisier).
+    /// Shorter runs of every step (figures are noisier).
     #[arg(long)]
     pub quick: bool,
+    /// Skip the vLLM parts (tax's vLLM figures and ab): nothing is installed.
+    #[arg(long)]
+    pub no_vllm: bool,
 }
 
 /// One step of the report: a subcommand of this binary and the files it writes.
@@ -45,7 +53,7 @@ struct Step {
     files: Vec<&'static str>,
 }
 
-fn steps(out: &Path, quick: bool) -> Vec<Step> {
+fn steps(out: &Path, quick: bool, no_vllm: bool) -> Vec<Step> {
     let p = |f: &str| out.join(f).to_string_lossy().into_owned();
     let mut transfer = vec!["transfer".into(), "--json".into(), p("transfer.json")];
     let mut layerwise = vec!["layerwise".into(), "--json".into(), p("layerwise.json")];
@@ -65,6 +73,9 @@ fn steps(out: &Path, quick: bool) -> Vec<Step> {
         "--clock-json".into(),
         p("clock.json"),
     ];
+    if no_vllm {
+        tax.push("--no-vllm".into());
+    }
     if quick {
         tax.push("--quick".into());
         transfer.push("--quick".into());
@@ -103,6 +114,11 @@ fn steps(out: &Path, quick: bool) -> Vec<Step> {
             args: tax,
             files: vec!["tax.json"],
         },
+        Step {
+            name: "ab",
+            args: vec!["ab".into(), "--quick".into(), "--out".into(), p("ab")],
+            files: vec!["ab/ab.json", "ab/ab.md", "ab/ab.png"],
+        },
     ]
 }
 
@@ -134,9 +150,28 @@ pub fn run(a: &ReportArgs) -> ExitCode {
             .unwrap_or_else(|_| "unknown".into())
     );
     let mut failed = Vec::new();
-    let all = steps(&a.out, a.quick);
+    let vllm = if a.no_vllm {
+        Err("--no-vllm".to_string())
+    } else {
+        crate::venvs::ensure_pythons("kvwire-bench report").map(|_| ())
+    };
+    let all = steps(&a.out, a.quick, vllm.is_err());
     let n = all.len();
     for (i, s) in all.into_iter().enumerate() {
+        if let (Err(why), "ab") = (&vllm, s.name) {
+            let _ = writeln!(
+                md,
+                "## {}\n\nSKIPPED: it runs vLLM servers, and there is no vLLM venv ({why}; install: {}).\n",
+                s.name,
+                crate::venvs::INSTALL_HINT
+            );
+            eprintln!(
+                "== report step {}/{n}: {}: SKIPPED ({why}) ==",
+                i + 1,
+                s.name
+            );
+            continue;
+        }
         eprintln!("== report step {}/{n}: {} ==", i + 1, s.name);
         let t0 = Instant::now();
         // stdout is captured for report.md (and echoed); stderr (progress bars) goes through.

@@ -1,5 +1,6 @@
-//! `kvwire-bench report --quick`: every file is written and carries what it must (contents
-//! checked, not only existence).
+//! `kvwire-bench report --quick --no-vllm`: every file is written and carries what it must
+//! (contents checked, not only existence); the vLLM step (ab) says it was skipped. The vLLM
+//! parts run in the e2e stage (tests/e2e/test_ab.py runs `kvwire-bench ab --quick`).
 
 use std::path::Path;
 use std::process::Command;
@@ -14,7 +15,7 @@ fn report_writes_every_file_with_its_contents() {
     let out = std::env::temp_dir().join(format!("kvwire-report-test-{}", std::process::id()));
     let _ = std::fs::remove_dir_all(&out);
     let st = Command::new(env!("CARGO_BIN_EXE_kvwire-bench"))
-        .args(["report", "--quick", "--out"])
+        .args(["report", "--quick", "--no-vllm", "--out"])
         .arg(&out)
         .status()
         .expect("run kvwire-bench report");
@@ -31,6 +32,10 @@ fn report_writes_every_file_with_its_contents() {
         assert!(md.contains(section), "report.md lacks {section}");
     }
     assert!(!md.contains("FAILED"), "a step failed:\n{md}");
+    assert!(
+        md.contains("## ab\n\nSKIPPED: it runs vLLM servers"),
+        "the ab step is not said to be skipped:\n{md}"
+    );
     assert!(!md.contains(": missing"), "a file is missing:\n{md}");
 
     let t = json(&out.join("transfer.json"));

@@ -2,8 +2,9 @@
 # Real vLLM servers on CPU with KvwireConnector:   bash tests/e2e/run.sh
 #
 # Uses the venvs of tests/python/setup.sh (one per vLLM version, installed when missing) and a
-# kvwire-bench binary for calibrate (built here unless KVWIRE_BENCH_BIN names one). Per venv:
-# tests/e2e/test_servers.py with async scheduling on (vLLM's default) and off.
+# kvwire-bench binary for calibrate and ab (built here unless KVWIRE_BENCH_BIN names one). Per
+# venv: tests/e2e/test_servers.py with async scheduling on (vLLM's default) and off; then
+# tests/e2e/test_ab.py (kvwire-bench ab --quick) with the newest vLLM.
 # Env: KVWIRE_E2E_ASYNC ("1 0" by default), KVWIRE_VLLM_VERSIONS (see setup.sh).
 set -euo pipefail
 cd "$(dirname "$0")"
@@ -31,4 +32,8 @@ while read -r py; do
   done
 done <"$CACHE/venvs.txt"
 [ "$n" -gt 0 ] || { echo "e2e: no venv with vLLM ran"; exit 1; }
+# kvwire-bench ab --quick (every arm, real servers) once, with the newest vLLM.
+py=$(head -n1 "$CACHE/venvs.txt")
+echo "==== kvwire-bench ab --quick with $py"
+"$py" -m pytest -q -p no:cacheprovider -rs -s "$HERE/test_ab.py" || rc=1
 exit $rc

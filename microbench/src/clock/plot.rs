@@ -17,12 +17,14 @@ use plotters::style::FontStyle;
 use super::report::{ClockReport, SEGMENTS};
 use super::ClockError;
 
-const FONT: &str = "sans-serif";
+/// The font family the figures are drawn in (embedded, see [`register_font`]).
+pub const FONT: &str = "sans-serif";
 
 /// Horizontal offset of the p50/p90 markers from a bar's centre (cells are 1 apart).
 const MARK_DX: f64 = 0.2;
 
-const COLORS: [RGBColor; 6] = [
+/// One colour per segment of the clock.
+pub const COLORS: [RGBColor; 6] = [
     RGBColor(0x4c, 0x72, 0xb0),
     RGBColor(0xdd, 0x84, 0x52),
     RGBColor(0xc4, 0x4e, 0x52),
@@ -31,7 +33,8 @@ const COLORS: [RGBColor; 6] = [
     RGBColor(0x55, 0xa8, 0x68),
 ];
 
-const LABELS: [&str; 6] = [
+/// The segments' names as the figures label them.
+pub const LABELS: [&str; 6] = [
     "wait for P",
     "reservation wait",
     "exposed transfer",
@@ -40,7 +43,8 @@ const LABELS: [&str; 6] = [
     "first step",
 ];
 
-fn register_font() -> Result<(), ClockError> {
+/// Registers the embedded DejaVu Sans as [`FONT`] (once per process).
+pub fn register_font() -> Result<(), ClockError> {
     static ONCE: Once = Once::new();
     let mut res = Ok(());
     ONCE.call_once(|| {

@@ -35,7 +35,7 @@ const SCRIPTS: [(&str, &str); 4] = [
 ];
 
 /// What to run when vLLM is missing.
-pub const INSTALL_HINT: &str = "bash tests/python/setup.sh";
+pub use kvwire_bench::venvs::{default_pythons, INSTALL_HINT};
 /// The scheduler-side target: kvwire costs no more than the inert connector plus this, µs/step.
 pub const TARGET_OVER_NOOP_US: f64 = 2.0;
 /// A Python part is killed after this long.
@@ -64,33 +64,6 @@ pub struct TaxArgs {
     /// Do not draw a progress bar.
     #[arg(long)]
     pub no_progress: bool,
-}
-
-/// The venv interpreters under the cache directory, newest vLLM first.
-pub fn default_pythons() -> Vec<PathBuf> {
-    let cache = std::env::var_os("KVWIRE_PY_CACHE")
-        .map(PathBuf::from)
-        .or_else(|| std::env::var_os("HOME").map(|h| Path::new(&h).join(".cache/kvwire-py")));
-    let Some(cache) = cache else {
-        return Vec::new();
-    };
-    let mut found: Vec<(Vec<u64>, PathBuf)> = std::fs::read_dir(&cache)
-        .map(|d| {
-            d.filter_map(|e| {
-                let e = e.ok()?;
-                let name = e.file_name().to_str()?.to_string();
-                let ver = name.strip_prefix("vllm-")?;
-                let py = e.path().join("bin/python");
-                py.exists().then(|| {
-                    let key = ver.split('.').map(|p| p.parse().unwrap_or(0)).collect();
-                    (key, py)
-                })
-            })
-            .collect()
-        })
-        .unwrap_or_default();
-    found.sort_by(|a, b| b.0.cmp(&a.0));
-    found.into_iter().map(|(_, p)| p).collect()
 }
 
 /// A child Python run: stderr lines starting with `[tax` go to the progress bar; the whole

@@ -153,6 +153,14 @@ class StandInWorker(WorkerBase):
 
     def initialize_from_config(self, kv_cache_config):
         self.cache_config.num_gpu_blocks = kv_cache_config.num_blocks
+        kt = self.vllm_config.kv_transfer_config
+        if kt is not None and kt.kv_connector == "MooncakeConnector":
+            # vLLM's MooncakeConnector worker asks torch for the current CUDA device, which
+            # raises without an NVIDIA driver; on this CPU stand-in it is device 0. Nothing else
+            # of it is changed.
+            import torch
+
+            torch.accelerator.current_device_index = lambda: 0
         ensure_kv_transfer_initialized(self.vllm_config, kv_cache_config)
         caches = self._allocate(kv_cache_config)
         self.kv = {name: _LayerKV(t, self.head_dim) for name, t in caches.items()}

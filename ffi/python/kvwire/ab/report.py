@@ -1,0 +1,53 @@
+"""``ab.json`` and ``ab.md``."""
+
+from __future__ import annotations
+
+import json
+import os
+
+
+def _ms(v) -> str:
+    return "-" if v is None else f"{v * 1000:.1f}"
+
+
+def markdown(ab: dict) -> str:
+    lines = [f"# kvwire A/B — {ab['requests']} requests per arm, model {ab['model']}, block {ab['block_size']}, "
+             f"{ab['host_cores']} cores{' (quick)' if ab['quick'] else ''}", ""]
+    lines.append("| arm | TTFT p50 / p90 / p99 ms | TPOT p50 / p90 ms | E2E p50 / p90 ms | errors | outputs = single |")
+    lines.append("|---|---|---|---|---|---|")
+    for r in ab["arms"]:
+        if r["status"] != "ran":
+            lines.append(f"| {r['arm']} | {r['status'].upper()} | | | | |")
+            continue
+        o = r["replay"]["overall"]
+        eq = r["outputs_equal_single"]
+        lines.append(f"| {r['arm']} | {_ms(o['ttft_s']['p50'])} / {_ms(o['ttft_s']['p90'])} / {_ms(o['ttft_s']['p99'])} "
+                     f"| {_ms(o['tpot_s']['p50'])} / {_ms(o['tpot_s']['p90'])} "
+                     f"| {_ms(o['e2e_s']['p50'])} / {_ms(o['e2e_s']['p90'])} | {o['errors']} "
+                     f"| {eq['equal']}/{eq['of']} |")
+    pd = [r for r in ab["arms"] if r["status"] == "ran" and r["group"] == "pd"]
+    if pd:
+        lines += ["", "P/D arms, from the connectors' timelines (D's clock; means of the decomposition):", ""]
+        lines.append("| arm | decode_sent→first_token p50 / p90 ms | wait for P | reservation wait | exposed transfer "
+                     "| report delay | promotion delay | first step | exposed tail p90 ms | D block-s | wire MB | failed |")
+        lines.append("|---|---|---|---|---|---|---|---|---|---|---|---|")
+        for r in pd:
+            t = r["timeline"]
+            dec = t["decomposition_mean_s"]
+            lines.append(f"| {r['arm']} | {_ms(t['clock_s']['p50'])} / {_ms(t['clock_s']['p90'])} | "
+                         + " | ".join(_ms(dec[k]) for k in dec)
+                         + f" | {_ms(t['exposed_tail_s']['p90'])} | {t['d_block_seconds']:.2f} "
+                         f"| {t['wire_bytes'] / 1e6:.2f} | {t['failed']} |")
+    bad = [r for r in ab["arms"] if r["status"] != "ran"]
+    for r in bad:
+        lines += ["", f"**{r['arm']}: {r['status']}**", "", "```", r.get("error", "")[-800:], "```"]
+    if not bad:
+        lines += ["", "Every arm ran."]
+    return "\n".join(lines) + "\n"
+
+
+def write(ab: dict, out: str) -> None:
+    with open(os.path.join(out, "ab.json"), "w", encoding="utf-8") as f:
+        json.dump(ab, f, indent=2)
+    with open(os.path.join(out, "ab.md"), "w", encoding="utf-8") as f:
+        f.write(markdown(ab))
