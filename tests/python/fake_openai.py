@@ -4,7 +4,7 @@
 What it answers is set per backend (``mode``): ``ok`` (the output is the prompt's first
 ``max_tokens`` ids + 1, streamed one token an event when asked), ``fail`` (HTTP 500), ``hang``
 (never answers), ``hold`` (streams its first token, then waits until the test releases it or the
-client goes away). Every request body is kept, and every handler that ended because its client
+client goes away; ``hold_at=N`` holds only the N-th request so). Every request body is kept, and every handler that ended because its client
 went away is counted in ``cancelled``."""
 
 from __future__ import annotations
@@ -17,12 +17,14 @@ from aiohttp import web
 
 
 class FakeBackend:
-    def __init__(self, name: str, mode: str = "ok", running: int = 0, waiting: int = 0):
+    def __init__(self, name: str, mode: str = "ok", running: int = 0, waiting: int = 0, hold_at: int | None = None):
         self.name, self.mode = name, mode
+        self.hold_at = hold_at  # the request (1-based) that is held after its first token, in mode ok
         self.running, self.waiting = running, waiting
         self.bodies: list[dict] = []
         self.cancelled = 0
         self.healthy = True
+        self._closed = False
         self._loop = asyncio.new_event_loop()
         self._ready = threading.Event()
         self._release: asyncio.Event | None = None
@@ -39,6 +41,11 @@ class FakeBackend:
         self._loop.call_soon_threadsafe(self._release.set)
 
     def close(self) -> None:
+        """Stops serving (its connections and its port closed, as a killed server's); once."""
+        if self._closed:
+            return
+        self._closed = True
+
         async def stop():
             await self._runner.cleanup()
 
@@ -105,7 +112,7 @@ class FakeBackend:
         for i, t in enumerate(out):
             ch = {"delta": {"content": str(t)}} if chat else {"text": str(t), "token_ids": [t]}
             await resp.write(b"data: " + json.dumps({"id": self.name, "choices": [ch]}).encode() + b"\n\n")
-            if i == 0 and self.mode == "hold":
+            if i == 0 and (self.mode == "hold" or len(self.bodies) == self.hold_at):
                 await self._release.wait()
         await resp.write(b"data: [DONE]\n\n")
         await resp.write_eof()

@@ -341,3 +341,51 @@ def test_pluggable_policy(make, tmp_path):
     bad = proxy(["--policy", "nosuchmodule:make", "--prefill", spec(p, control="h:1"), "--decode", spec(d1, control="h:2")],
                 wait=False)
     assert bad.proc.wait(WAIT_S) == 2 and "nosuchmodule" in bad.proc.stderr.read()
+
+
+def test_backend_killed_mid_replay_fails_only_its_requests(make, tmp_path):
+    """``python -m kvwire.replay`` through the proxy over two D backends; one is killed while it
+    streams its third request: the requests that fail are that backend's (that one at least),
+    the other's all complete, and the proxy stops sending to the dead one."""
+    import threading
+
+    from kvwire.replay.trace import generate
+
+    backends, proxy = make
+    p, d1 = backends("ok", "ok")
+    (d2,) = backends("ok", hold_at=3)
+    px = proxy(["--timeout", "5", "--prefill", spec(p, control="h:1"),
+                "--decode", spec(d1, control="h:2"), "--decode", spec(d2, control="h:3")])
+    trace = tmp_path / "trace.jsonl"
+    trace.write_text("".join(json.dumps(r) + "\n" for r in generate(
+        sessions=3, turns=(6, 6), contexts=(10, 50), reuse=0.9, outputs=(2, 3), session_gap_s=0.05,
+        think_s=0.1, seed=1)))
+    killed = threading.Event()
+
+    def kill():
+        if wait_for(lambda: len(d2.bodies) >= 3):  # the third is held mid-stream
+            d2.close()
+            killed.set()
+
+    th = threading.Thread(target=kill)
+    th.start()
+    r = subprocess.run([sys.executable, "-m", "kvwire.replay", "run", "--url", f"http://127.0.0.1:{px.port}",
+                        "--trace", str(trace), "--out", str(tmp_path / "out"), "--progress", "off"],
+                       capture_output=True, text=True, timeout=120)
+    th.join(WAIT_S)
+    assert killed.is_set()
+    recs = px.record_lines()
+    assert len(recs) == 18
+    failed = [x for x in recs if x["status"] != 200]
+    assert all(x["d"] == d2.url for x in failed), failed
+    assert all(x["status"] == 200 for x in recs if x["d"] == d1.url)
+    with open(tmp_path / "out" / "report.json") as f:
+        rep = json.load(f)
+    assert rep["overall"]["errors"] == len(failed)
+    assert (r.returncode == 1) == bool(failed), r.stdout + r.stderr
+    assert len(d1.bodies) == sum(1 for x in recs if x["d"] == d1.url)
+    # The first failure marks d2 unhealthy: after it, only requests already routed (at most one
+    # per session) still went to d2, every later one to d1.
+    assert failed
+    first = min(x["arrival_ns"] for x in failed)
+    assert sum(1 for x in recs if x["arrival_ns"] > first and x["d"] == d2.url) <= 3, recs
