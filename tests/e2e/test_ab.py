@@ -39,6 +39,7 @@ def test_ab_quick_runs_every_arm():
             assert set(o[m]) == {"p50", "p90", "p99"}
         assert o["ttft_s"]["p50"] > 0 and o["e2e_s"]["p99"] >= o["e2e_s"]["p50"]
         assert a["outputs_equal_single"] == {"equal": 12, "of": 12, "reference": True}, name
+        assert a["warmup"]["requests"] == 2 and a["warmup"]["errors"] == 0, a["warmup"]
         if a["group"] != "pd":
             continue
         t = a["timeline"]

@@ -7,22 +7,11 @@ use plotters::prelude::*;
 use plotters::style::FontStyle;
 use serde_json::Value;
 
-use crate::clock::plot::{register_font, COLORS, FONT, LABELS};
+use crate::clock::plot::{perr, register_font, stacked_segments, COLORS, FONT};
 use crate::clock::ClockError;
 
-/// The timeline segments in `ab.json`, in the order of [`LABELS`].
-const SEGMENTS: [&str; 6] = [
-    "wait_for_p",
-    "reservation_wait",
-    "exposed_transfer",
-    "report_delay",
-    "promotion_delay",
-    "first_step",
-];
-
-fn perr<E: std::fmt::Display>(e: E) -> ClockError {
-    ClockError::Plot(e.to_string())
-}
+/// The timeline segments in `ab.json` (the connector's names), in the order of the figure's.
+use kvwire_connector::SEGMENT_NAMES as SEGMENTS;
 
 fn ms(v: &Value) -> f64 {
     v.as_f64().map_or(0.0, |s| s * 1e3)
@@ -131,23 +120,7 @@ pub fn render_png(ab: &Value, path: &Path) -> Result<(), ClockError> {
             .y_label_formatter(&|v| format!("{v:.0}"))
             .draw()
             .map_err(perr)?;
-        for k in 0..SEGMENTS.len() {
-            let color = COLORS[k];
-            chart
-                .draw_series(pd.iter().enumerate().map(|(i, r)| {
-                    let below: f64 = (0..k).map(|j| seg(r, j)).sum();
-                    let x = i as f64;
-                    Rectangle::new(
-                        [(x - 0.35, below), (x + 0.35, below + seg(r, k))],
-                        color.filled(),
-                    )
-                }))
-                .map_err(perr)?
-                .label(LABELS[k])
-                .legend(move |(x, y)| {
-                    Rectangle::new([(x, y - 7), (x + 14, y + 7)], color.filled())
-                });
-        }
+        stacked_segments(&mut chart, n, |i, k| seg(pd[i], k))?;
         chart
             .configure_series_labels()
             .position(SeriesLabelPosition::UpperRight)

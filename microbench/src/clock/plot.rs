@@ -60,8 +60,41 @@ pub fn register_font() -> Result<(), ClockError> {
     res
 }
 
-fn perr<E: std::fmt::Display>(e: E) -> ClockError {
+/// A plotting error as the benches report it.
+pub fn perr<E: std::fmt::Display>(e: E) -> ClockError {
     ClockError::Plot(e.to_string())
+}
+
+/// The chart the figures draw bars on.
+pub type Chart<'a, 'b> = ChartContext<
+    'a,
+    BitMapBackend<'b>,
+    Cartesian2d<plotters::coord::types::RangedCoordf64, plotters::coord::types::RangedCoordf64>,
+>;
+
+/// Stacked bars of the clock's six segments, one bar per cell at x = 0, 1, … `n − 1`,
+/// segment `k` of cell `i` `seg(i, k)` high, each segment with its legend entry.
+pub fn stacked_segments(
+    chart: &mut Chart<'_, '_>,
+    n: usize,
+    seg: impl Fn(usize, usize) -> f64,
+) -> Result<(), ClockError> {
+    for (k, label) in LABELS.iter().enumerate() {
+        let color = COLORS[k];
+        chart
+            .draw_series((0..n).map(|i| {
+                let below: f64 = (0..k).map(|j| seg(i, j)).sum();
+                let x = i as f64;
+                Rectangle::new(
+                    [(x - 0.35, below), (x + 0.35, below + seg(i, k))],
+                    color.filled(),
+                )
+            }))
+            .map_err(perr)?
+            .label(*label)
+            .legend(move |(x, y)| Rectangle::new([(x, y - 7), (x + 14, y + 7)], color.filled()));
+    }
+    Ok(())
 }
 
 /// Width and height of the figure.
@@ -139,26 +172,7 @@ pub fn render_png(r: &ClockReport, path: &Path) -> Result<(), ClockError> {
             .axis_desc_style((FONT, 18))
             .draw()
             .map_err(perr)?;
-        for (k, seg) in SEGMENTS.iter().enumerate() {
-            let color = COLORS[k];
-            let bars: Vec<Rectangle<(f64, f64)>> = (0..n)
-                .map(|i| {
-                    let below: f64 = SEGMENTS[..k].iter().map(|s| mean_of(i, s)).sum();
-                    let x = i as f64;
-                    Rectangle::new(
-                        [(x - 0.35, below), (x + 0.35, below + mean_of(i, seg))],
-                        color.filled(),
-                    )
-                })
-                .collect();
-            chart
-                .draw_series(bars)
-                .map_err(perr)?
-                .label(LABELS[k])
-                .legend(move |(x, y)| {
-                    Rectangle::new([(x, y - 7), (x + 14, y + 7)], color.filled())
-                });
-        }
+        stacked_segments(&mut chart, n, |i, k| mean_of(i, SEGMENTS[k]))?;
         chart
             .draw_series((0..n).map(|i| {
                 Polygon::new(

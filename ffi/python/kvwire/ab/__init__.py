@@ -13,6 +13,8 @@ Starts the servers of each arm, replays the same agentic trace against each
   jit, land) × send mode (whole, layerwise), chosen per request; one P/D pair serves them all,
   its prefix caches reset between arms.
 
+Each group of servers first serves two warm-up requests (other prompts; their time is in
+``warmup``, not in the arms' figures: a fresh P/D pair's first requests pay one-off costs).
 Per arm: TTFT/TPOT/E2E p50/p90/p99 (client side), and for P/D arms from the connectors'
 timelines: decode_sent→first_token p50/p90 and its decomposition (wait for P, reservation wait,
 exposed transfer, report delay, promotion delay, first step), the exposed tail after P's last

@@ -38,6 +38,14 @@ def markdown(ab: dict) -> str:
                          + " | ".join(_ms(dec[k]) for k in dec)
                          + f" | {_ms(t['exposed_tail_s']['p90'])} | {t['d_block_seconds']:.2f} "
                          f"| {t['wire_bytes'] / 1e6:.2f} | {t['failed']} |")
+    warm = {}
+    for r in ab["arms"]:
+        if r.get("warmup"):
+            warm.setdefault(r["group"], r["warmup"])
+    if warm:
+        lines += ["", "Warm-up before each group's arms (2 requests with other prompts, not in the figures above): "
+                  + "; ".join(f"{g} {w['seconds']:.1f} s, first TTFT {_ms((w['ttft_s'] or [None])[0])} ms"
+                              f"{', %d errors' % w['errors'] if w['errors'] else ''}" for g, w in warm.items())]
     bad = [r for r in ab["arms"] if r["status"] != "ran"]
     for r in bad:
         lines += ["", f"**{r['arm']}: {r['status']}**", "", "```", r.get("error", "")[-800:], "```"]

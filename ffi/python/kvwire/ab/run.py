@@ -94,11 +94,37 @@ class AbRun:
                 "d": self.server("d", _arms.kvwire_config("kv_consumer", self.d_control, free_port(), tl), d)}
 
     # ---- one arm ----
-    def replay(self, url: str, params: dict) -> list:
+    def replay(self, url: str, params: dict, turns=None, prompts=None) -> list:
         extra = {"kv_transfer_params": params} if params else {}
         rp = Replayer(url, "tiny" if not self.opts.model else self.opts.model, time_scale=self.opts.time_scale,
                       timeout=self.opts.timeout, extra=extra)
-        return asyncio.run(rp.run(self.turns, self.prompts))
+        return asyncio.run(rp.run(turns or self.turns, prompts or self.prompts))
+
+    def warm_up(self, group: str, servers: dict, d: str) -> dict:
+        """Two requests (other prompts than the trace's) before the group's arms, untimed in
+        them: a fresh server's first requests pay one-off costs (first connections between P
+        and D, first steps). Their time is reported, not hidden."""
+        turns = self.turns[:2]
+        prompts = [PromptBook(self.opts.vocab, seed=self.opts.seed + 1_000_003).prompt(t) for t in turns]
+        t0 = time.monotonic()
+        if group == "pd":
+            wdir = os.path.join(d, "warmup")
+            os.makedirs(wdir, exist_ok=True)
+            proc, fh, url = self.proxy(wdir, servers)
+            try:
+                res = self.replay(url, {}, turns, prompts)
+            finally:
+                proc.terminate()
+                proc.wait(20)
+                fh.close()
+            self.reset_prefix_cache([servers["p"], servers["d"]])
+        else:
+            res = self.replay(servers["main"].url, {}, turns, prompts)
+            self.reset_prefix_cache([servers["main"]])
+        out = {"requests": len(res), "errors": sum(1 for r in res if r.error), "seconds": round(time.monotonic() - t0, 2),
+               "ttft_s": [r.ttft_s for r in res]}
+        log(f"group {group}: warm-up {out['seconds']} s, {out['errors']} errors")
+        return out
 
     def proxy(self, d: str, servers: dict):
         port = free_port()
@@ -218,8 +244,9 @@ class AbRun:
                           "error": str(e)[-1500:]} for a in arms]
                 continue
             try:
+                warm = self.warm_up(group, servers, d)
                 for a in arms:
-                    rows.append(self.run_arm(a, servers, d))
+                    rows.append({**self.run_arm(a, servers, d), "warmup": warm})
             finally:
                 for s in servers.values():
                     s.stop()
