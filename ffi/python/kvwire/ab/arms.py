@@ -36,10 +36,14 @@ def pick(names: list[str] | None) -> list[Arm]:
 
 
 def kvwire_config(role: str, control: int, data: int, timelines: str, **extra) -> dict:
+    """KvwireConnector's config for one server of an arm. ``connect_timeout`` is 30 s, not the
+    default 5 s: on this 2-core machine a just-started server's control plane was seen taking
+    over 5 s to answer the first dial (P then judged D unreachable and both sides failed the
+    first requests; the e2e suite sets 60 s for the same reason)."""
     return {"kv_connector": "KvwireConnector", "kv_connector_module_path": "kvwire.vllm", "kv_role": role,
             "kv_connector_extra_config": {"control_listen": f"127.0.0.1:{control}",
                                           "data_listen": f"127.0.0.1:{data}", "timeline_path": timelines,
-                                          "land_pool_blocks": 256, **extra}}
+                                          "land_pool_blocks": 256, "connect_timeout": 30, **extra}}
 
 
 def mooncake_config() -> dict:
