@@ -272,7 +272,11 @@ def introduce(*sides):
     for a in sides:
         for b in sides:
             if a is not b:
-                assert wait_for(lambda: b.conn.control_addr in a.conn._sched.control.engine_at), "no hello"
+                # What a request's first use of the address checks (SchedulerSide._pid_for_addr):
+                # the engine there known, and its hello reply handled by the driver thread, which
+                # may come a little after the control plane recorded the engine.
+                sa, addr = a.conn._sched, b.conn.control_addr
+                assert wait_for(lambda: addr in sa.control.engine_at and addr in sa.answered), "no hello"
 
 
 def sched_side(side):
