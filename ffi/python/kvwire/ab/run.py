@@ -70,7 +70,6 @@ class AbRun:
                    max_model_len=max(self.max_len, 1024), max_num_batched_tokens=o.max_num_batched_tokens,
                    num_blocks=o.num_blocks if not o.model else None, async_scheduling=True, log_stats=True)
         if o.model:  # a real model: vLLM's own worker on the default platform
-            s.cmd = [a for a in s.cmd]
             for flag, has_value in (("--worker-cls", True), ("--load-format", True), ("--skip-tokenizer-init", False),
                                     ("--enforce-eager", False)):
                 if flag in s.cmd:

@@ -14,7 +14,7 @@ so the same proxy drives both connectors. D's answer is the client's answer.
 * :mod:`kvwire.proxy.params` — the ``kv_transfer_params`` of each style;
 * :mod:`kvwire.proxy.records` — one JSON line per request (``"kind": "router"``, transfer id,
   ``decode_sent_ns``, ``first_token_ns``, ``last_token_ns``, chosen P and D and their loads),
-  which ``kvwire-bench calibrate --production`` joins with the connectors' timelines;
+  which ``kvwire-bench calibrate --timeline DIR`` joins with the connectors' timelines;
 * :mod:`kvwire.proxy.server` — the HTTP server (aiohttp, which vLLM ships).
 
 A backend that fails or does not answer in time gives the client an OpenAI-style error in

@@ -7,7 +7,7 @@ and ``d`` (backend URLs; ``p`` null when the request stayed on D), ``p_load`` an
 ``first_token_ns`` (the first streamed chunk with output; null for non-streaming requests, whose
 first token the proxy cannot see), ``last_token_ns``, ``status`` (the HTTP status the client
 got), ``error``, ``p_status``/``p_error``. Times are ``time.monotonic_ns()``; ``wall_ns`` is
-the Unix time at arrival. ``kvwire-bench calibrate --production DIR`` joins them with the
+the Unix time at arrival. ``kvwire-bench calibrate --timeline DIR`` joins them with the
 connectors' timelines by transfer id.
 """
 
