@@ -389,3 +389,44 @@ def test_backend_killed_mid_replay_fails_only_its_requests(make, tmp_path):
     assert failed
     first = min(x["arrival_ns"] for x in failed)
     assert sum(1 for x in recs if x["arrival_ns"] > first and x["d"] == d2.url) <= 3, recs
+
+
+def test_sigterm_lets_the_request_in_flight_finish_and_records_it(make):
+    """SIGTERM stops taking requests, but the one streaming finishes (D is released only once the
+    proxy said it is stopping), its record is written, and the proxy exits 0."""
+    backends, proxy = make
+    p, d = backends("ok", "hold")
+    px = proxy(["--prefill", spec(p, control="h:1"), "--decode", spec(d, control="h:2")])
+    c = http.client.HTTPConnection("127.0.0.1", px.port, timeout=WAIT_S)
+    c.request("POST", "/v1/completions", body=json.dumps({"prompt": [1, 2, 3], "max_tokens": 3, "stream": True}))
+    r = c.getresponse()
+    assert r.status == 200
+    assert b"token_ids" in r.readline() + r.readline()  # D's first token came through; D holds
+    px.proc.terminate()
+    assert "stopping" in px.proc.stdout.readline()
+    d.release()
+    ids, errors = sse_tokens(r.read())
+    c.close()
+    assert ids == [3, 4] and not errors  # the rest of the stream (the first token was read above)
+    assert px.proc.wait(WAIT_S) == 0
+    (rec,) = px.record_lines()
+    assert rec["status"] == 200 and rec["error"] is None
+
+
+def test_sigterm_past_the_grace_cancels_and_still_records(make):
+    """A request still in flight when the shutdown grace ends is cancelled (D's and P's requests
+    closed) and recorded as failed by the stop, not as a client that went away."""
+    backends, proxy = make
+    p, d = backends("ok", "hold")
+    px = proxy(["--shutdown-grace", "0.5", "--prefill", spec(p, control="h:1"), "--decode", spec(d, control="h:2")])
+    c = http.client.HTTPConnection("127.0.0.1", px.port, timeout=WAIT_S)
+    c.request("POST", "/v1/completions", body=json.dumps({"prompt": [1, 2], "max_tokens": 3, "stream": True}))
+    r = c.getresponse()
+    assert r.status == 200
+    assert b"token_ids" in r.fp.readline() + r.fp.readline()
+    px.proc.terminate()
+    assert px.proc.wait(WAIT_S) == 0
+    c.close()
+    assert wait_for(lambda: d.cancelled == 1)
+    (rec,) = px.record_lines()
+    assert rec["status"] == 503 and "stopped" in rec["error"], rec

@@ -46,6 +46,8 @@ def markdown(ab: dict) -> str:
         lines += ["", "Warm-up before each group's arms (2 requests with other prompts, not in the figures above): "
                   + "; ".join(f"{g} {w['seconds']:.1f} s, first TTFT {_ms((w['ttft_s'] or [None])[0])} ms"
                               f"{', %d errors' % w['errors'] if w['errors'] else ''}" for g, w in warm.items())]
+        for g, w in warm.items():
+            lines += [f"- {g} warm-up error: {e}" for e in w.get("error_samples", ())]
     bad = [r for r in ab["arms"] if r["status"] != "ran"]
     for r in bad:
         lines += ["", f"**{r['arm']}: {r['status']}**", "", "```", r.get("error", "")[-800:], "```"]

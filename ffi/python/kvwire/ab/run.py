@@ -113,16 +113,15 @@ class AbRun:
             try:
                 res = self.replay(url, {}, turns, prompts)
             finally:
-                proc.terminate()
-                proc.wait(20)
-                fh.close()
+                self.stop_proxy(proc, fh)
             self.reset_prefix_cache([servers["p"], servers["d"]])
         else:
             res = self.replay(servers["main"].url, {}, turns, prompts)
             self.reset_prefix_cache([servers["main"]])
         out = {"requests": len(res), "errors": sum(1 for r in res if r.error), "seconds": round(time.monotonic() - t0, 2),
-               "ttft_s": [r.ttft_s for r in res]}
-        log(f"group {group}: warm-up {out['seconds']} s, {out['errors']} errors")
+               "ttft_s": [r.ttft_s for r in res], "error_samples": [str(r.error)[:300] for r in res if r.error][:2]}
+        log(f"group {group}: warm-up {out['seconds']} s, {out['errors']} errors"
+            + "".join(f"\n  {e}" for e in out["error_samples"]))
         return out
 
     def proxy(self, d: str, servers: dict):
@@ -130,7 +129,7 @@ class AbRun:
         log_path = os.path.join(d, "proxy.log")
         fh = open(log_path, "w")
         proc = subprocess.Popen([self.python, "-m", "kvwire.proxy", "--port", str(port), "--records", d,
-                                 "--wait-ready", "60", "--timeout", str(self.opts.timeout),
+                                 "--wait-ready", "60", "--timeout", str(self.opts.timeout), "--shutdown-grace", "10",
                                  "--prefill", f"{servers['p'].url},control=127.0.0.1:{self.p_control}",
                                  "--decode", f"{servers['d'].url},control=127.0.0.1:{self.d_control}"],
                                 stdout=fh, stderr=subprocess.STDOUT)
@@ -144,6 +143,17 @@ class AbRun:
         fh.close()
         with open(log_path) as f:
             raise ServerError(f"the proxy did not start:\n{f.read()[-2000:]}")
+
+    @staticmethod
+    def stop_proxy(proc, fh) -> None:
+        """SIGTERM: the proxy finishes (and records) what is in flight, then exits; killed if not."""
+        proc.terminate()
+        try:
+            proc.wait(30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(10)
+        fh.close()
 
     @staticmethod
     def reset_prefix_cache(servers) -> bool:
@@ -173,9 +183,7 @@ class AbRun:
             try:
                 results = self.replay(url, arm.params)
             finally:
-                proc.terminate()
-                proc.wait(20)
-                fh.close()
+                self.stop_proxy(proc, fh)
             tids = []
             for name in os.listdir(adir):
                 if name.startswith("router"):
@@ -189,6 +197,7 @@ class AbRun:
                 if figures["missing_records"] == 0 or time.monotonic() > end:
                     break
                 time.sleep(0.2)
+            figures["router_records"] = len(tids)
             figures["reset_prefix_cache"] = self.reset_prefix_cache([servers["p"], servers["d"]])
         else:
             results = self.replay(servers["main"].url, {})

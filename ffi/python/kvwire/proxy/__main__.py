@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
+import signal
 import sys
 
 from kvwire.proxy.backends import BackendError, parse_backend
@@ -38,6 +39,9 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--wait-ready", type=float, default=0.0,
                     help="seconds to wait at start-up for every backend to be healthy (0: check once)")
     ap.add_argument("--max-body", type=int, default=64 << 20, help="largest request body, bytes")
+    ap.add_argument("--shutdown-grace", type=float, default=60.0,
+                    help="on SIGTERM/SIGINT, seconds the requests in flight get to finish (then they are "
+                         "cancelled); each still gets its router record")
     return ap
 
 
@@ -72,16 +76,24 @@ async def serve(opts, prefill, decode, policy) -> int:
             print(f"kvwire.proxy: {b.role.upper()} backend {b.url} is unreachable: {b.last_error}", file=sys.stderr)
         await proxy.session.close()
         return 2
-    runner = web.AppRunner(proxy.app(), handler_cancellation=True, access_log=None)
+    runner = web.AppRunner(proxy.app(), handler_cancellation=True, access_log=None,
+                           shutdown_timeout=opts.shutdown_grace)
     await runner.setup()
     site = web.TCPSite(runner, opts.host, opts.port)
     await site.start()
     print(f"kvwire.proxy: listening on http://{opts.host}:{opts.port} ({len(prefill)} P, {len(decode)} D, "
           f"style {opts.style}, policy {opts.policy})", flush=True)
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
     try:
-        await asyncio.Event().wait()
+        await stop.wait()
+        proxy.stopping = True
+        print("kvwire.proxy: stopping: no new requests; those in flight finish or are cancelled after "
+              f"{opts.shutdown_grace} s", flush=True)
     finally:
-        await runner.cleanup()
+        await runner.cleanup()  # waits for the handlers in flight (their records are written)
     return 0
 
 

@@ -86,6 +86,7 @@ class Proxy:
         self.records = records
         self.session: aiohttp.ClientSession | None = None
         self.counts = {"requests": 0, "ok": 0, "failed": 0, "client_gone": 0}
+        self.stopping = False  # set on SIGTERM: a handler cancelled then failed for that, not its client
         self._health: asyncio.Task | None = None
 
     # ---- backends ----
@@ -237,16 +238,22 @@ class Proxy:
             self.counts["failed"] += 1
             return error_response(500, str(e))
         except asyncio.CancelledError:
-            rec["status"], rec["error"] = 499, "the client went away"
-            self.counts["client_gone"] += 1
+            if self.stopping:
+                rec["status"], rec["error"] = 503, "the proxy stopped before the answer ended"
+                self.counts["failed"] += 1
+            else:
+                rec["status"], rec["error"] = 499, "the client went away"
+                self.counts["client_gone"] += 1
             raise
         finally:
-            if p_task is not None and not p_task.done():
-                p_task.cancel()
-            if p_task is not None:
-                await asyncio.gather(p_task, return_exceptions=True)
-            if self.records is not None:
-                self.records.put(rec)
+            try:
+                if p_task is not None and not p_task.done():
+                    p_task.cancel()
+                if p_task is not None:
+                    await asyncio.gather(p_task, return_exceptions=True)
+            finally:  # a handler cancelled while it waits for P still leaves its record
+                if self.records is not None:
+                    self.records.put(rec)
 
     async def _call_p(self, p, path, body, headers, rec) -> None:
         try:
