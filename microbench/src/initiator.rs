@@ -35,10 +35,11 @@ use kvwire_transfer::{
 };
 use tracing::{debug, info};
 
+use crate::cpu;
 use crate::error::{BenchError, Context};
 use crate::pattern::{crc_region, op_seed, stage};
 use crate::plan::{fmt_size, Plan};
-use crate::report::{hostname, KvShape, Pattern, Report, Row, TargetSummary};
+use crate::report::{hostname, CpuPerGb, KvShape, Pattern, Report, Row, TargetSummary};
 use crate::stats::{gbps, Samples};
 use crate::target::{CONTROL_LEN, FLUSH_OFFSET};
 use crate::wire::{Phase, Range, Tag, Verdict, WireError, MAX_TAG_RANGES, VERDICT_LEN};
@@ -174,6 +175,7 @@ pub fn run(cfg: &RunConfig) -> Result<Report, BenchError> {
         read_checked: 0,
         read_mismatches: 0,
         last: Verdict::default(),
+        timed_cpu: Some(Duration::ZERO),
         bar,
     };
     let mut rows = Vec::new();
@@ -281,7 +283,21 @@ struct Bench<'a> {
     read_mismatches: u64,
     /// The last verdict seen (for per-phase deltas).
     last: Verdict,
+    /// This process's CPU time inside timed sections so far (`None` once a reading failed).
+    timed_cpu: Option<Duration>,
     bar: ProgressBar,
+}
+
+/// Where a row's CPU count starts (see [`CpuPerGb`]).
+#[derive(Clone, Copy)]
+struct CpuMark {
+    initiator: Option<Duration>,
+    target: Option<u64>,
+}
+
+/// The target's transfer CPU at a verdict: its process's less its verifier thread's, ns.
+fn target_cpu_ns(v: &Verdict) -> Option<u64> {
+    (v.cpu_ns > 0).then(|| v.cpu_ns.saturating_sub(v.checker_cpu_ns))
 }
 
 impl Bench<'_> {
@@ -340,18 +356,58 @@ impl Bench<'_> {
         Ok(t0.elapsed())
     }
 
+    /// Runs a timed section, adding the CPU this process spent in it (all threads) to
+    /// [`Bench::timed_cpu`]; the clock is read outside the section's own timing.
+    fn counted<T>(
+        &mut self,
+        section: impl FnOnce(&mut Self) -> Result<T, BenchError>,
+    ) -> Result<T, BenchError> {
+        let c0 = cpu::process();
+        let out = section(self);
+        self.timed_cpu = match (self.timed_cpu, c0, cpu::process()) {
+            (Some(t), Some(a), Some(b)) => Some(t + b.saturating_sub(a)),
+            _ => None,
+        };
+        out
+    }
+
+    /// Where a row's CPU count starts: now, and the last verdict.
+    fn cpu_mark(&self) -> CpuMark {
+        CpuMark {
+            initiator: self.timed_cpu,
+            target: target_cpu_ns(&self.last),
+        }
+    }
+
+    /// CPU per GB since `mark` (up to the last verdict, for the target) for `bytes` moved.
+    fn cpu_since(&self, mark: CpuMark, bytes: u64) -> CpuPerGb {
+        let init = self
+            .timed_cpu
+            .zip(mark.initiator)
+            .map(|(b, a)| b.saturating_sub(a));
+        let tgt = target_cpu_ns(&self.last)
+            .zip(mark.target)
+            .map(|(b, a)| Duration::from_nanos(b.saturating_sub(a)));
+        CpuPerGb {
+            initiator: cpu::s_per_gb(init, bytes),
+            target: cpu::s_per_gb(tgt, bytes),
+        }
+    }
+
     /// Submits one write batch without a notification and waits for it; returns the time
     /// from submit to completion (the timed section holds exactly these two calls).
     fn timed(&mut self, ops: &[Op], what: Phase) -> Result<Duration, BenchError> {
-        let t0 = Instant::now();
-        let batch = self
-            .engine
-            .write(&self.peer, ops, None, Some(BATCH_DEADLINE))
-            .ctx(|| format!("submitting a {what:?} batch"))?;
-        batch
-            .wait()
-            .ctx(|| format!("waiting for a {what:?} batch"))?;
-        Ok(t0.elapsed())
+        self.counted(|b| {
+            let t0 = Instant::now();
+            let batch = b
+                .engine
+                .write(&b.peer, ops, None, Some(BATCH_DEADLINE))
+                .ctx(|| format!("submitting a {what:?} batch"))?;
+            batch
+                .wait()
+                .ctx(|| format!("waiting for a {what:?} batch"))?;
+            Ok(t0.elapsed())
+        })
     }
 
     /// Adds the ranges of a completed untagged write batch (and the CRC-32 of their bytes,
@@ -525,6 +581,7 @@ impl Bench<'_> {
         let max_ops = (p.max_ops as u64).min((p.max_bytes / size).max(5));
         let mut expected = vec![None; (p.read_max_ops as u64).min(dst_slots) as usize];
         let mut lat = Samples::new();
+        let mark = self.cpu_mark();
         let t_phase = Instant::now();
         for i in 0..max_ops {
             if t_phase.elapsed().as_secs_f64() > p.max_secs && !lat.is_empty() {
@@ -564,6 +621,7 @@ impl Bench<'_> {
                 batches: None,
                 kv: None,
                 timed_notifications: 0,
+                cpu_s_per_gb: self.cpu_since(mark, ops * size),
             },
             expected,
         ))
@@ -575,6 +633,7 @@ impl Bench<'_> {
         let p = self.plan;
         let mut lat = Samples::new();
         let mut bad = 0u64;
+        let mark = self.cpu_mark();
         let t_phase = Instant::now();
         let written: Vec<(usize, u32)> = expected
             .iter()
@@ -592,13 +651,15 @@ impl Bench<'_> {
                 remote_offset: slot as u64 * size,
                 len: size,
             };
-            let t0 = Instant::now();
-            self.engine
-                .read(&self.peer, std::slice::from_ref(&op), Some(BATCH_DEADLINE))
-                .ctx(|| format!("submitting a {size} byte read"))?
-                .wait()
-                .ctx(|| format!("waiting for a {size} byte read"))?;
-            lat.push(t0.elapsed());
+            lat.push(self.counted(|b| {
+                let t0 = Instant::now();
+                b.engine
+                    .read(&b.peer, std::slice::from_ref(&op), Some(BATCH_DEADLINE))
+                    .ctx(|| format!("submitting a {size} byte read"))?
+                    .wait()
+                    .ctx(|| format!("waiting for a {size} byte read"))?;
+                Ok(t0.elapsed())
+            })?);
             let mut h = crc32fast::Hasher::new();
             crc_region(&self.engine, self.scratch, 0, size, &mut h, &mut self.buf)
                 .ctx(|| "checking read-back bytes".to_string())?;
@@ -609,6 +670,9 @@ impl Bench<'_> {
             }
         }
         self.read_mismatches += bad;
+        // A verdict closes the row: the target's CPU for these reads ends there.
+        let v = self.flush()?;
+        let target_ok = self.phase_ok(v);
         let (p50, p99) = lat.p50_p99_us();
         let ops = lat.len() as u64;
         Ok(Row {
@@ -618,11 +682,12 @@ impl Bench<'_> {
             p50_us: p50,
             p99_us: p99,
             gbps: gbps(ops * size, lat.total()),
-            verified: bad == 0 && ops > 0,
+            verified: bad == 0 && ops > 0 && target_ok,
             batch: None,
             batches: None,
             kv: None,
             timed_notifications: 0,
+            cpu_s_per_gb: self.cpu_since(mark, ops * size),
         })
     }
 
@@ -641,6 +706,7 @@ impl Bench<'_> {
             .max(2)
             .min((p.max_bytes / (size * n)).max(2));
         let mut lat = Samples::new();
+        let mark = self.cpu_mark();
         let t_phase = Instant::now();
         for k in 0..max_batches {
             if t_phase.elapsed().as_secs_f64() > p.max_secs && !lat.is_empty() {
@@ -682,6 +748,7 @@ impl Bench<'_> {
             batches: Some(batches),
             kv: None,
             timed_notifications: 0,
+            cpu_s_per_gb: self.cpu_since(mark, batches * n * size),
         })
     }
 
@@ -697,6 +764,7 @@ impl Bench<'_> {
         let mut round_walls: Vec<Duration> = Vec::new();
         let mut expected = vec![0u32; layers * blocks as usize];
         let mut verified = true;
+        let mut mark = None;
         let t_phase = Instant::now();
         for round in 0..=p.kv_rounds {
             if round > 0 && t_phase.elapsed().as_secs_f64() > p.kv_max_secs {
@@ -738,9 +806,11 @@ impl Bench<'_> {
             }
             let t_round = Instant::now();
             for (l, (ops, tag)) in prepared.into_iter().enumerate() {
-                let dt = self.send(&ops, tag, l + 1 == layers)?;
+                let last = l + 1 == layers;
                 if round > 0 {
-                    lat.push(dt);
+                    lat.push(self.counted(|b| b.send(&ops, tag, last))?);
+                } else {
+                    self.send(&ops, tag, last)?;
                 }
             }
             let wall = t_round.elapsed();
@@ -749,8 +819,14 @@ impl Bench<'_> {
             }
             let v = self.wait_verdict()?;
             verified &= self.phase_ok(v);
+            if round == 0 {
+                mark = Some(self.cpu_mark()); // the timed rounds' CPU starts here
+            }
             self.bar.inc(1);
         }
+        let cpu = mark.map_or_else(CpuPerGb::default, |m| {
+            self.cpu_since(m, round_walls.len() as u64 * p.kv_round_bytes())
+        });
         // read back the last round, one batch per layer, and compare every block
         self.bar.set_message("kv read-back");
         let mut bad = 0u64;
@@ -812,6 +888,7 @@ impl Bench<'_> {
             batches: None,
             // one per layer of every timed round, inside the timed section
             timed_notifications: lat.len() as u64,
+            cpu_s_per_gb: cpu,
             kv: Some(KvShape {
                 layers,
                 blocks: blocks as usize,

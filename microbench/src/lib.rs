@@ -11,6 +11,7 @@ pub mod ab;
 pub mod calibrate;
 pub mod clock;
 pub mod costmodel;
+pub mod cpu;
 pub mod error;
 pub mod initiator;
 pub mod pattern;

@@ -51,6 +51,30 @@ pub struct Row {
     /// and read phases (their writes are checked through records sent between timed
     /// operations), one per layer for `kv_layer`.
     pub timed_notifications: u64,
+    /// CPU seconds per GB moved by this row's timed operations (see [`CpuPerGb`]).
+    pub cpu_s_per_gb: CpuPerGb,
+}
+
+/// CPU seconds (all threads) per GB (1e9 bytes) a row's timed operations moved, each side;
+/// `null` where a side's CPU clock could not be read.
+///
+/// The initiator's counts only its timed sections (submit to completion), not the staging
+/// and checking between them; the target's is its process's CPU between the verdicts around
+/// the row, less its verifier thread's (checking is the bench's work, not the transfer's).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Serialize)]
+pub struct CpuPerGb {
+    /// The initiator process's.
+    pub initiator: Option<f64>,
+    /// The target process's.
+    pub target: Option<f64>,
+}
+
+impl CpuPerGb {
+    /// `I+T` (seconds per GB, two decimals), `-` for a side not measured.
+    pub fn cell(&self) -> String {
+        let f = |x: Option<f64>| x.map_or_else(|| "-".to_string(), |x| format!("{x:.2}"));
+        format!("{}+{}", f(self.initiator), f(self.target))
+    }
 }
 
 /// Shape and per-round figures of the KV-layer pattern.
@@ -124,8 +148,17 @@ impl Report {
         );
         let _ = writeln!(
             s,
-            "{:>8} {:>5} {:>9} {:>9} {:>11} {:>5} {:>10} {:>3}",
-            "size", "ops", "p50_us", "p99_us", "serial_GBps", "batch", "batch_GBps", "ok"
+            "{:>8} {:>5} {:>9} {:>9} {:>11} {:>5} {:>10} {:>3} {:>11} {:>11}",
+            "size",
+            "ops",
+            "p50_us",
+            "p99_us",
+            "serial_GBps",
+            "batch",
+            "batch_GBps",
+            "ok",
+            "cpu_serial",
+            "cpu_batch"
         );
 
         let yn = |b: bool| if b { "y" } else { "N" };
@@ -134,12 +167,19 @@ impl Report {
                 .results
                 .iter()
                 .find(|x| x.pattern == Pattern::Batch && x.size == r.size);
-            let (nb, bg, bok) = b
-                .map(|b| (b.batch.unwrap_or(0), b.gbps, b.verified))
-                .unwrap_or((0, 0.0, true));
+            let (nb, bg, bok, bcpu) = b
+                .map(|b| {
+                    (
+                        b.batch.unwrap_or(0),
+                        b.gbps,
+                        b.verified,
+                        b.cpu_s_per_gb.cell(),
+                    )
+                })
+                .unwrap_or((0, 0.0, true, "-".into()));
             let _ = writeln!(
                 s,
-                "{:>8} {:>5} {:>9.1} {:>9.1} {:>11.3} {:>5} {:>10.3} {:>3}",
+                "{:>8} {:>5} {:>9.1} {:>9.1} {:>11.3} {:>5} {:>10.3} {:>3} {:>11} {:>11}",
                 fmt_size(r.size),
                 r.ops,
                 r.p50_us,
@@ -147,7 +187,9 @@ impl Report {
                 r.gbps,
                 nb,
                 bg,
-                yn(r.verified && bok)
+                yn(r.verified && bok),
+                r.cpu_s_per_gb.cell(),
+                bcpu
             );
         }
         for r in self
@@ -158,7 +200,7 @@ impl Report {
             if let Some(k) = &r.kv {
                 let _ = writeln!(
                     s,
-                    "KV {}x{}x{} rounds={}: layer p50 {:.0} us p99 {:.0} us, {:.3} GB/s median round (best {:.3}; all rounds {:.3}), {} timed notifications (one per layer), verified={}{}",
+                    "KV {}x{}x{} rounds={}: layer p50 {:.0} us p99 {:.0} us, {:.3} GB/s median round (best {:.3}; all rounds {:.3}), {} timed notifications (one per layer), CPU s/GB {}, verified={}{}",
                     k.layers,
                     k.blocks,
                     fmt_size(r.size),
@@ -169,6 +211,7 @@ impl Report {
                     k.gbps_best_round,
                     r.gbps,
                     r.timed_notifications,
+                    r.cpu_s_per_gb.cell(),
                     yn(r.verified),
                     if k.scatter { " (scattered blocks)" } else { "" }
                 );
@@ -182,25 +225,30 @@ impl Report {
         if !reads.is_empty() {
             let _ = writeln!(
                 s,
-                "{:>8} {:>5} {:>9} {:>9} {:>11} {:>3}",
-                "read", "ops", "p50_us", "p99_us", "read_GBps", "ok"
+                "{:>8} {:>5} {:>9} {:>9} {:>11} {:>3} {:>11}",
+                "read", "ops", "p50_us", "p99_us", "read_GBps", "ok", "cpu_read"
             );
             for r in reads {
                 let _ = writeln!(
                     s,
-                    "{:>8} {:>5} {:>9.1} {:>9.1} {:>11.3} {:>3}",
+                    "{:>8} {:>5} {:>9.1} {:>9.1} {:>11.3} {:>3} {:>11}",
                     fmt_size(r.size),
                     r.ops,
                     r.p50_us,
                     r.p99_us,
                     r.gbps,
-                    yn(r.verified)
+                    yn(r.verified),
+                    r.cpu_s_per_gb.cell()
                 );
             }
         }
         let _ = writeln!(
             s,
             "serial and batch writes are timed without a notification; the target checks them from records sent between timed operations"
+        );
+        let _ = writeln!(
+            s,
+            "cpu_*: CPU seconds per GB moved, initiator+target (all threads; the initiator's in its timed sections, the target's less its verifier's)"
         );
         let c = &self.check;
         let _ = writeln!(
@@ -252,6 +300,10 @@ mod tests {
                 scatter: false,
             }),
             timed_notifications: if pattern == Pattern::KvLayer { 240 } else { 0 },
+            cpu_s_per_gb: CpuPerGb {
+                initiator: Some(0.5),
+                target: None,
+            },
         }
     }
 
@@ -286,6 +338,7 @@ mod tests {
             "gbps",
             "verified",
             "timed_notifications",
+            "cpu_s_per_gb",
         ] {
             assert!(rows.iter().all(|r| r.get(k).is_some()), "{k}");
         }
@@ -293,5 +346,8 @@ mod tests {
         assert!(t.contains("serial_GBps") && t.contains("batch_GBps"));
         assert!(t.contains("KV 48x32x256KiB rounds=5"));
         assert!(t.lines().any(|l| l.trim_start().starts_with("4KiB")));
+        assert_eq!(rows[0]["cpu_s_per_gb"]["initiator"], 0.5);
+        assert!(rows[0]["cpu_s_per_gb"]["target"].is_null());
+        assert!(t.contains("0.50+-") && t.contains("cpu_serial"));
     }
 }

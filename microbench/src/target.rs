@@ -25,6 +25,7 @@ use std::time::Duration;
 use kvwire_transfer::{Access, Engine, EngineConfig, PeerId, RegionHandle, TransportKind};
 use tracing::{debug, info, warn};
 
+use crate::cpu;
 use crate::error::{BenchError, Context};
 use crate::pattern::crc_region;
 use crate::wire::{Phase, Tag, Verdict};
@@ -425,12 +426,20 @@ impl Verifier {
         }
     }
 
+    /// Publishes `verdict` with the process's CPU time and this (the verifier's) thread's in it.
     fn publish(&mut self, verdict: &Verdict) {
-        if let Err(e) = self.engine.local_write(self.ctrl, 0, &verdict.encode()) {
+        let nanos =
+            |d: Option<Duration>| d.map_or(0, |d| u64::try_from(d.as_nanos()).unwrap_or(u64::MAX));
+        let v = Verdict {
+            cpu_ns: nanos(cpu::process()),
+            checker_cpu_ns: nanos(cpu::thread()),
+            ..verdict.clone()
+        };
+        if let Err(e) = self.engine.local_write(self.ctrl, 0, &v.encode()) {
             warn!("publishing the verdict failed: {e}");
         }
         if let Ok(mut l) = self.latest.lock() {
-            *l = verdict.clone();
+            *l = v;
         }
     }
 }

@@ -16,7 +16,7 @@ pub const TAG_MAGIC: [u8; 4] = *b"KVWB";
 /// First bytes of every verdict.
 pub const VERDICT_MAGIC: [u8; 4] = *b"KVWV";
 /// Version of both records.
-pub const WIRE_VERSION: u8 = 1;
+pub const WIRE_VERSION: u8 = 2;
 /// Most writes in one batch or KV layer (the plan's bound).
 pub const MAX_RANGES: usize = 64;
 /// Most ranges one tag may carry: a record of the writes since the last verdict is split
@@ -29,7 +29,7 @@ const _: () =
     assert!(TAG_HEADER_LEN + 16 * MAX_TAG_RANGES <= kvwire_transfer::wire::MAX_TAG as usize);
 const _: () = assert!(MAX_RANGES <= MAX_TAG_RANGES);
 /// Encoded length of a verdict.
-pub const VERDICT_LEN: usize = 88;
+pub const VERDICT_LEN: usize = 96;
 
 /// What a record decoder rejected.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
@@ -223,6 +223,12 @@ pub struct Verdict {
     pub first_bad_expected: u32,
     /// First mismatch: CRC of the bytes found.
     pub first_bad_actual: u32,
+    /// The target process's CPU time (all threads) when it published this verdict, ns;
+    /// 0 where its clock could not be read.
+    pub cpu_ns: u64,
+    /// Of that, the CPU its verifier thread spent (checking, polling), ns: the bench's own
+    /// work, not the transfer's.
+    pub checker_cpu_ns: u64,
 }
 
 impl Verdict {
@@ -248,7 +254,11 @@ impl Verdict {
         out[at..at + 4].copy_from_slice(&self.first_bad_expected.to_le_bytes());
         out[at + 4..at + 8].copy_from_slice(&self.first_bad_actual.to_le_bytes());
         at += 8;
-        // 8 + 56 + 8 = 72; bytes 72..84 reserved (zero)
+        for v in [self.cpu_ns, self.checker_cpu_ns] {
+            out[at..at + 8].copy_from_slice(&v.to_le_bytes());
+            at += 8;
+        }
+        // 8 + 56 + 8 + 16 = 88; bytes 88..92 reserved (zero)
         let crc = crc32fast::hash(&out[..VERDICT_LEN - 4]);
         debug_assert!(at <= VERDICT_LEN - 4);
         out[VERDICT_LEN - 4..].copy_from_slice(&crc.to_le_bytes());
@@ -284,6 +294,8 @@ impl Verdict {
             first_bad_seq: u64_at(b, 56),
             first_bad_expected: u32_at(b, 64),
             first_bad_actual: u32_at(b, 68),
+            cpu_ns: u64_at(b, 72),
+            checker_cpu_ns: u64_at(b, 80),
         })
     }
 }
@@ -368,6 +380,8 @@ mod tests {
             first_bad_seq: 4,
             first_bad_expected: 0xAAAA_5555,
             first_bad_actual: 0x5555_AAAA,
+            cpu_ns: 7_000_000_123,
+            checker_cpu_ns: 1_000_000_321,
         };
         let b = v.encode();
         assert_eq!(Verdict::decode(&b), Ok(v.clone()));

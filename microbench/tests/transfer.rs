@@ -71,6 +71,12 @@ fn assert_complete(r: &Report, transport: &str) {
             assert!(row.ops > 0 && row.gbps > 0.0 && row.p50_us > 0.0, "{row:?}");
         }
     }
+    // Every row says what it cost in CPU, on both sides (the target's through its verdicts).
+    for row in &r.results {
+        let c = row.cpu_s_per_gb;
+        assert!(c.initiator.is_some_and(|x| x > 0.0), "{row:?}");
+        assert!(c.target.is_some_and(|x| x >= 0.0), "{row:?}");
+    }
     let kv = r
         .results
         .iter()
@@ -348,6 +354,16 @@ fn cli_quick_with_own_target_process() {
             assert!(rows.iter().any(|r| r["pattern"] == p), "{p}");
         }
         assert!(rows.iter().all(|r| r["verified"] == true));
+        // CPU per GB from both processes; on tcp the target's receive threads cost CPU too.
+        for r in rows {
+            let c = &r["cpu_s_per_gb"];
+            assert!(c["initiator"].as_f64().is_some_and(|x| x > 0.0), "{r}");
+            assert!(c["target"].as_f64().is_some_and(|x| x >= 0.0), "{r}");
+        }
+        if transport == "tcp" {
+            let kv = rows.iter().find(|r| r["pattern"] == "kv_layer").unwrap();
+            assert!(kv["cpu_s_per_gb"]["target"].as_f64().unwrap() > 0.0, "{kv}");
+        }
     }
     let _ = std::fs::remove_dir_all(&dir);
 }

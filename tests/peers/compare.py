@@ -14,6 +14,8 @@ Targets checked (as ratios within the run):
   shm: serial GB/s >= 0.9 x CMA (process_vm_writev, shm_bench best of 3) at sizes >= 64 KiB
        serial and batch GB/s >= NIXL UCX sm at every size; KV >= NIXL UCX sm
        4 KiB serial p50 <= 5 us
+  cpu: tcp CPU s/GB (initiator + target) <= 0.5 x Mooncake TE's at every size >= 64 KiB
+       shm CPU s/GB <= one single-thread memcpy pass's at every size >= 64 KiB
 """
 import json
 import os
@@ -72,6 +74,25 @@ def kvwire_rows(d):
     return rows, kv, d.get("verified")
 
 
+def cpu_rows(d, kind):
+    """{size: CPU s/GB initiator+target of the serial writes}, and of the KV layer, from a kvwire
+    (kind 'kvwire') or peer json; a side not reported makes the sum None."""
+    if not d:
+        return {}, None
+
+    def both(c):
+        if not isinstance(c, dict) or c.get("initiator") is None or c.get("target") is None:
+            return None
+        return c["initiator"] + c["target"]
+
+    if kind == "kvwire":
+        rows = {r["size"]: both(r.get("cpu_s_per_gb")) for r in d["results"] if r["pattern"] == "serial"}
+        kv = next((both(r.get("cpu_s_per_gb")) for r in d["results"] if r["pattern"] == "kv_layer"), None)
+        return rows, kv
+    rows = {r["size"]: both(r.get("cpu_s_per_GB_serial")) for r in d.get("sizes", [])}
+    return rows, both((d.get("kv") or {}).get("cpu_s_per_GB"))
+
+
 def timed_notes(d):
     """'serial 0, batch 0, kv_layer 240' from a kvwire json (old files: 'not reported')."""
     if not d:
@@ -118,6 +139,12 @@ def main():
     ns, ns_kv = peer_rows(load_json(os.path.join(run, "nixl_ucx_shm.json")))
     kt, kt_kv, kt_ok = kvwire_rows(load_json(os.path.join(run, "kvwire_tcp.json")))
     ks, ks_kv, ks_ok = kvwire_rows(load_json(os.path.join(run, "kvwire_shm.json")))
+    c_mc, c_mc_kv = cpu_rows(load_json(os.path.join(run, "mooncake_tcp.json")), "peer")
+    c_nt, c_nt_kv = cpu_rows(load_json(os.path.join(run, "nixl_ucx_tcp.json")), "peer")
+    c_ns, c_ns_kv = cpu_rows(load_json(os.path.join(run, "nixl_ucx_shm.json")), "peer")
+    c_kt, c_kt_kv = cpu_rows(load_json(os.path.join(run, "kvwire_tcp.json")), "kvwire")
+    c_ks, c_ks_kv = cpu_rows(load_json(os.path.join(run, "kvwire_shm.json")), "kvwire")
+    memcpy_cpu = {sz: 1.0 / g for sz, g in memcpy.items() if g > 0}  # one single-thread pass, s/GB
     ip1 = iperf.get("-P 1")
     loads = re.findall(r"== (\S+)\s+\[(\S+) loadavg ([0-9. ]+)\]", summ)
 
@@ -161,6 +188,17 @@ def main():
         print(f"| {name} | {f(kv[0] if kv else None, 0)} | {f(kv[1] if kv else None)} |")
     print(f"| iperf3 -P 1 (ceiling) | - | {f(ip1)} |")
 
+    print("\n## CPU seconds per GB moved (initiator + target processes, all threads; serial writes)\n")
+    print("kvwire: the initiator's CPU inside its timed sections, the target's between the verdicts around the "
+          "row less its verifier thread's; Mooncake TE and NIXL: both processes' getrusage over their serial "
+          "loop. One memcpy pass = 1 / memcpy 1-thread GB/s.\n")
+    print("| size | kvwire tcp | Mooncake TE tcp | NIXL UCX tcp | kvwire shm | NIXL UCX sm | one memcpy pass |")
+    print("|---|---|---|---|---|---|---|")
+    for sz in SIZES:
+        print(f"| {hsize(sz)} | {f(c_kt.get(sz), 2)} | {f(c_mc.get(sz), 2)} | {f(c_nt.get(sz), 2)} | "
+              f"{f(c_ks.get(sz), 2)} | {f(c_ns.get(sz), 2)} | {f(memcpy_cpu.get(sz), 2)} |")
+    print(f"| KV layer | {f(c_kt_kv, 2)} | {f(c_mc_kv, 2)} | {f(c_nt_kv, 2)} | {f(c_ks_kv, 2)} | {f(c_ns_kv, 2)} | - |")
+
     checks = []  # (target, measured ratio or value, threshold, op)
 
     def add(name, val, thr, ge=True):
@@ -182,6 +220,10 @@ def main():
         add(f"shm batch-8 {hsize(s)} / NIXL UCX sm batch-8", ratio(ks.get(s, (0, 0, None))[2], ns.get(s, (0, 0, None))[2]), 1.0)
     add("shm KV layer / NIXL UCX sm KV", ratio(ks_kv[1] if ks_kv else None, ns_kv[1] if ns_kv else None), 1.0)
     add("shm 4 KiB p50 (us)", ks.get(4 * KIB, (None,))[0], 5.0, ge=False)
+    for sz in SIZES[1:]:
+        add(f"tcp CPU/GB {hsize(sz)} / Mooncake TE CPU/GB", ratio(c_kt.get(sz), c_mc.get(sz)), 0.5, ge=False)
+    for sz in SIZES[1:]:
+        add(f"shm CPU/GB {hsize(sz)} / one memcpy pass", ratio(c_ks.get(sz), memcpy_cpu.get(sz)), 1.0, ge=False)
 
     print("\n## Targets (ratios measured in this run)\n")
     print("| target | measured | needed | result |\n|---|---|---|---|")
