@@ -94,7 +94,8 @@ class Cluster:
             self._ref[k] = self.single.complete(prompt, n)["tokens"]
         return self._ref[k]
 
-    def pd(self, prompt, tid, policy="lazy", mode="layerwise", n=5, d_extra=None, timeout=120.0):
+    def pd(self, prompt, tid, policy="lazy", mode="layerwise", n=5, d_extra=None, timeout=120.0,
+           p_extra=None, d_request_id=None):
         """One P/D request as a router sends it: P (max_tokens 1) and D at once."""
         res = {}
 
@@ -102,7 +103,8 @@ class Cluster:
             try:
                 res["p"] = self.p.complete(prompt, 1, {"do_remote_decode": True, "transfer_id": tid,
                                                        "remote_control": f"127.0.0.1:{self.d_control}",
-                                                       "kvwire_send_mode": mode}, timeout=timeout)
+                                                       "kvwire_send_mode": mode, **(p_extra or {})},
+                                         timeout=timeout)
             except (ServerError, OSError) as e:
                 res["p_error"] = e
 
@@ -111,7 +113,8 @@ class Cluster:
         try:
             d = self.d.complete(prompt, n, {"do_remote_prefill": True, "transfer_id": tid,
                                             "remote_control": f"127.0.0.1:{self.p_control}",
-                                            "kvwire_policy": policy, **(d_extra or {})}, timeout=timeout)
+                                            "kvwire_policy": policy, **(d_extra or {})}, timeout=timeout,
+                                request_id=d_request_id)
         finally:
             th.join(timeout + 10)
         return d["tokens"], res
@@ -197,8 +200,9 @@ def test_burst_then_idle_p_every_request_completes(cluster):
 
 
 def test_prefix_hit_on_d_receives_only_the_suffix(cluster):
-    """A second turn extends the first: D's prefix cache holds the first turn's blocks, P sends
-    only the rest (counted in bytes on D), and the output still equals the single instance's."""
+    """A second turn extends the first: D's prefix cache holds the first turn's full blocks, P
+    sends exactly the rest (counted in bytes on D), and the output still equals the single
+    instance's."""
     base = prompt_of(1200, 300)
     a, _ = cluster.pd(base, f"turn1-{ASYNC}", "lazy", "layerwise")
     assert a == cluster.single_output(base, 5)
@@ -211,7 +215,129 @@ def test_prefix_hit_on_d_receives_only_the_suffix(cluster):
     block_bytes = 2 * 2 * 16 * 2 * 16 * 2  # layers x (K, V) x block x kv heads x head dim x bf16
     whole = -(-len(nxt) // 16) * block_bytes
     cached = (len(base) // 16) * block_bytes  # full blocks of turn 1's prompt stay in D's cache
-    assert 0 < got <= whole - cached, (got, whole, cached)
+    print(f"prefix hit: D received {got} B of {whole} B, {cached} B cached")
+    assert got == whole - cached, (got, whole, cached)  # exactly the blocks it lacked
+
+
+def step_indexes(ctl, tag):
+    """Positions, in the worker's event order, of the steps that computed tokens of ``tag``."""
+    return [i for i, e in enumerate(ctl.events("step"))
+            if e.get("tokens", 0) > 0 and any(tag in str(r) for r in e.get("reqs", []))]
+
+
+def test_prefix_hit_never_writes_a_cached_block_a_running_request_reads(cluster):
+    """P's block 0 of turn 2 is wrong on purpose (one byte flipped on P after its layer 0 was
+    computed, before it was handed to the connector). D has turn 1's blocks cached and a local
+    request decodes over them (it shares them) while turn 2 lands: both outputs equal the single
+    instance's, so P never wrote D's cached block 0. The same flip without the prefix hit changes
+    D's output: the check can fail."""
+    tag = f"cachedreader{int(ASYNC)}"
+    fresh = prompt_of(400, 321)
+    got, _ = cluster.pd(fresh, f"flip-sent-{ASYNC}", "lazy", "layerwise", p_extra={"kvwire_test_corrupt_sent": True})
+    assert any(e.get("what") == "sent" for e in cluster.p_ctl.events("corrupt"))
+    assert got != cluster.single_output(fresh, 5), "the flipped byte P sent did not change D's output"
+    base = prompt_of(1200, 322)
+    a, _ = cluster.pd(base, f"hit1-{ASYNC}", "lazy", "layerwise")
+    assert a == cluster.single_output(base, 5)
+    shared = base + a
+    out = {}
+
+    def read():
+        try:
+            out["tokens"] = cluster.d.complete(shared, 1500, request_id=tag, timeout=WAIT_S)["tokens"]
+        except (ServerError, OSError) as e:
+            out["error"] = e
+
+    th = threading.Thread(target=read)
+    th.start()
+    try:
+        assert wait_for(lambda: steps_of(cluster.d_ctl, tag) > 1), "the reader does not run"
+        nxt = shared + prompt_of(300, 323)
+        b, res = cluster.pd(nxt, f"hit2-{ASYNC}", "lazy", "layerwise",
+                            p_extra={"kvwire_test_corrupt_sent": True}, d_request_id=f"hittwo{int(ASYNC)}")
+    finally:
+        th.join(WAIT_S)
+    assert "p_error" not in res, res
+    assert b == cluster.single_output(nxt, 5), "D's cached block was written"
+    assert "error" not in out, out
+    reader, turn2 = step_indexes(cluster.d_ctl, tag), step_indexes(cluster.d_ctl, f"hittwo{int(ASYNC)}")
+    assert turn2 and reader[0] < turn2[0] < reader[-1], "the reader did not run across turn 2"
+    assert out["tokens"] == cluster.single_output(shared, 1500), "the reader read a changed block"
+    assert wait_for(cluster.d_idle)
+
+
+def poke(server):
+    """A short local request: the engine steps (its worker runs the control directory's probe,
+    its scheduler publishes current gauges). True if it answered."""
+    try:
+        server.complete([5, 6, 7], 1)
+        return True
+    except (OSError, ServerError):
+        return False
+
+
+LEAD_POLICIES = ("eager", "lazy", "land")
+
+
+@pytest.mark.parametrize("policy", LEAD_POLICIES)
+def test_layer0_of_chunk0_lands_before_p_ends_its_last_chunk(cluster, policy):
+    """A prompt of three chunks on P, layerwise. P's worker is held inside its last chunk's
+    forward, before that chunk's last layer; meanwhile D's worker finds layer 0 of the first
+    chunk's first block (its K/V, every element compared) in a KV block, or in a landing slot for
+    land: it landed before P's forward ended, for lazy and land as for eager (D's reservation or
+    slots reached P's workers in time). Then, still held: land holds no KV block for the request
+    (only landing slots: its blocks are taken at KV-complete), eager and lazy hold theirs. After
+    the release every byte lands (D's output equals the single instance's) and D holds nothing."""
+    prompt = prompt_of(LONG, 800 + LEAD_POLICIES.index(policy))
+    tid = f"lead-{policy}-{ASYNC}"
+    p_ctl, d_ctl = cluster.p_ctl, cluster.d_ctl
+    held = p_ctl.held(1)
+    p_ctl.hold(1, last_chunk=True)
+    d_ctl.probe(tid, prompt[:16], 0)
+    out = {}
+
+    def run():
+        try:
+            out["d"] = cluster.pd(prompt, tid, policy, "layerwise")
+        except (ServerError, OSError) as e:
+            out["error"] = e
+
+    th = threading.Thread(target=run)
+    th.start()
+    try:
+        p_ctl.wait_held(1, held + 1)
+        # P is inside its last chunk's forward: layer 0 computed, layer 1 not.
+        assert wait_for(lambda: poke(cluster.d) and d_ctl.found(tid)), \
+            f"{policy}: layer 0 of chunk 0 is not on D while P runs its last chunk"
+        where = {f["in"] for f in d_ctl.found(tid)}
+        assert where == ({"landing"} if policy == "land" else {"cache"}), (policy, d_ctl.found(tid))
+        # D's gauges, both from one snapshot, once it shows the request (they are published at
+        # most every stats_interval): land's in slots only, the others' in KV blocks.
+        seen = {}
+
+        def shown():
+            if not poke(cluster.d):
+                return False
+            text = cluster.d.metrics()
+            seen.update(blocks=cluster.d.metric("vllm:kvwire_d_held_blocks", text=text),
+                        slots=cluster.d.metric("vllm:kvwire_d_landing_slots", text=text))
+            return seen["blocks"] + seen["slots"] > 0
+
+        assert wait_for(shown), seen
+        if policy == "land":
+            assert seen["blocks"] == 0 and seen["slots"] > 0, seen
+        else:
+            assert seen["blocks"] > 0 and seen["slots"] == 0, seen
+        assert p_ctl.held(1) == held + 1 and th.is_alive()  # still inside that forward
+    finally:
+        p_ctl.release(1)
+        d_ctl.end_probe()
+        th.join(WAIT_S)
+    assert "error" not in out, out
+    got, res = out["d"]
+    assert "p_error" not in res, res
+    assert got == cluster.single_output(prompt, 5), policy
+    assert wait_for(cluster.d_idle)
 
 
 def test_mooncake_connector_params_drive_it_unchanged(cluster):

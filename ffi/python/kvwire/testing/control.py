@@ -9,7 +9,15 @@ The worker reads ``$KVWIRE_STANDIN_CONTROL`` (a directory; unset: no control, no
   computes layer ``<layer>`` (after the earlier layers were computed and handed to the
   connector). On stopping, the worker appends a line to ``held.<layer>``; it goes on once the
   test removes ``hold.<layer>``. So a test orders events without timing: "hold layer 1, wait
-  until P is held, check what D has, release".
+  until P is held, check what D has, release". A ``hold.<layer>`` that reads ``last-chunk``
+  holds only a step that ends a prefill begun in an earlier step (a chunked prompt's last
+  chunk);
+* ``probe.json`` — ``{"id": ..., "tokens": [...], "layer": l}``: while it exists, every step
+  looks for the K/V that the first ``len(tokens)`` positions of a prompt starting with
+  ``tokens`` have in layer ``l`` (one block's worth, ``len(tokens)`` = the block size) in
+  every block of the KV cache and of the connector's landing pool, and once found appends a
+  ``{"ev": "probe", "id": ..., "found": [{"in": "cache"|"landing", "block": b}, ...]}``
+  event (once per id). So a test sees what landed on an instance while its peer is held;
 * ``events.jsonl`` — the worker appends one JSON line per event: ``{"ev": "step", "rank": r,
   "tokens": n, "reqs": [...]}`` for every step, ``{"ev": "layer", "layer": l, ...}`` once a
   layer was computed in a step with prefill tokens, ``{"ev": "corrupt", ...}`` when a byte was
@@ -26,6 +34,8 @@ import time
 
 ENV = "KVWIRE_STANDIN_CONTROL"
 LAYER_MS_ENV = "KVWIRE_STANDIN_LAYER_MS"
+LAST_CHUNK = "last-chunk"
+PROBE = "probe.json"
 
 
 class WorkerControl:
@@ -50,16 +60,34 @@ class WorkerControl:
             self.layer_ms = self.default_ms
         self.event(ev="step", tokens=tokens, reqs=list(reqs))
 
-    def before_layer(self, layer: int) -> None:
-        """Holds here while ``hold.<layer>`` exists."""
+    def before_layer(self, layer: int, last_chunk: bool = False) -> None:
+        """Holds here while ``hold.<layer>`` exists (only in a last chunk's step when it says
+        ``last-chunk``)."""
         if self.dir is None:
             return
         hold = os.path.join(self.dir, f"hold.{layer}")
-        if os.path.exists(hold):
-            with open(os.path.join(self.dir, f"held.{layer}"), "a") as f:
-                f.write(f"{self.rank}\n")
-            while os.path.exists(hold):
-                time.sleep(0.002)
+        try:
+            with open(hold) as f:
+                only = f.read().strip()
+        except OSError:
+            return
+        if only == LAST_CHUNK and not last_chunk:
+            return
+        with open(os.path.join(self.dir, f"held.{layer}"), "a") as f:
+            f.write(f"{self.rank}\n")
+        while os.path.exists(hold):
+            time.sleep(0.002)
+
+    def probe(self) -> dict | None:
+        """The probe a test asked for (``probe.json``), or None."""
+        if self.dir is None:
+            return None
+        try:
+            with open(os.path.join(self.dir, PROBE)) as f:
+                spec = json.load(f)
+            return {"id": str(spec["id"]), "tokens": [int(t) for t in spec["tokens"]], "layer": int(spec["layer"])}
+        except (OSError, ValueError, KeyError, TypeError):
+            return None
 
     def compute(self) -> None:
         if self.layer_ms > 0:
@@ -88,8 +116,36 @@ class Control:
         with open(os.path.join(self.dir, "layer_ms"), "w") as f:
             f.write(str(ms))
 
-    def hold(self, layer: int) -> None:
-        open(os.path.join(self.dir, f"hold.{layer}"), "w").close()
+    def hold(self, layer: int, last_chunk: bool = False) -> None:
+        """Holds every step that computes tokens before ``layer`` (with ``last_chunk``: only a
+        step that ends a prefill begun in an earlier step)."""
+        self._put(f"hold.{layer}", LAST_CHUNK if last_chunk else "")
+
+    def probe(self, pid: str, tokens, layer: int) -> None:
+        """Asks the worker to look for the K/V of ``tokens`` (a prompt's first block) in
+        ``layer``; :meth:`found` says where it saw it."""
+        self._put(PROBE, json.dumps({"id": pid, "tokens": list(tokens), "layer": layer}))
+
+    def _put(self, name: str, text: str) -> None:
+        """Writes a control file whole (a worker never reads half of it)."""
+        tmp = os.path.join(self.dir, name + ".tmp")
+        with open(tmp, "w") as f:
+            f.write(text)
+        os.replace(tmp, os.path.join(self.dir, name))
+
+    def end_probe(self) -> None:
+        try:
+            os.unlink(os.path.join(self.dir, PROBE))
+        except FileNotFoundError:
+            pass
+
+    def found(self, pid: str) -> list:
+        """Where the worker found probe ``pid``'s K/V (empty: not yet)."""
+        out = []
+        for e in self.events("probe"):
+            if e.get("id") == pid:
+                out += e.get("found", [])
+        return out
 
     def release(self, layer: int) -> None:
         try:

@@ -172,10 +172,11 @@ class Server:
         with urllib.request.urlopen(self.url + "/metrics", timeout=timeout) as r:
             return r.read().decode()
 
-    def metric(self, name: str, labels: dict | None = None) -> float:
-        """The sum of the samples of one metric whose labels include ``labels``."""
+    def metric(self, name: str, labels: dict | None = None, text: str | None = None) -> float:
+        """The sum of the samples of one metric whose labels include ``labels`` (in ``text``, one
+        scrape of :meth:`metrics`, when given: several values from one snapshot)."""
         total, found = 0.0, False
-        for line in self.metrics().splitlines():
+        for line in (self.metrics() if text is None else text).splitlines():
             if not line.startswith(name):
                 continue
             head, _, value = line.rpartition(" ")

@@ -23,7 +23,10 @@ request's blocks, layer by layer, and the next token is read from the cache. Out
 Test hook: a request whose ``kv_transfer_params`` carry ``"kvwire_test_corrupt": true`` gets one
 byte of its K/V flipped (layer 0, position 0) on this instance when it is first scheduled here
 with KV it did not compute (a D that received it), before anything is read: the output must then
-differ from a single instance's.
+differ from a single instance's. ``"kvwire_test_corrupt_sent": true`` flips that byte on the
+instance that computes the request's prefill (a P), after layer 0 of its first step was computed
+and before that layer is handed to the connector: what P sends of block 0 is then wrong, so a D
+that takes block 0 from P differs, and a D that had it cached (a prefix hit) must not.
 
 Environment: ``KVWIRE_STANDIN_KV_MB`` (memory reported for the KV cache, default 64; or use
 ``--num-gpu-blocks-override``), plus the control variables of :mod:`kvwire.testing.control`.
@@ -77,6 +80,7 @@ class _Req:
     params: dict
     hashes: list = field(default_factory=list)  # prefix hash of each known position
     seen_external: bool = False
+    steps: int = 0  # steps that computed tokens of it here
 
 
 class _LayerKV:
@@ -129,6 +133,7 @@ class StandInWorker(WorkerBase):
         self.reqs: dict[str, _Req] = {}
         self.kv: dict[str, _LayerKV] = {}
         self._pending = None
+        self._probed: set = set()
         self.control = WorkerControl(rank)
 
     # ---- start-up ----
@@ -255,6 +260,7 @@ class StandInWorker(WorkerBase):
                 c.handle_preemptions(so.kv_connector_metadata)
             elif so.preempted_req_ids:
                 c.handle_preemptions(so.preempted_req_ids)
+        self._probe()
         self.control.begin_step(so.total_num_scheduled_tokens, so.num_scheduled_tokens)
         if so.total_num_scheduled_tokens == 0:
             if not has_kv_transfer_group():
@@ -263,7 +269,8 @@ class StandInWorker(WorkerBase):
         # What each layer writes this step: (blocks, slots, prefix hashes) of every computed
         # position, all requests together.
         bl, sl, hs = [], [], []
-        prefill = False
+        prefill = last_chunk = False
+        flip_sent = []
         bs = self.cache_config.block_size
         for rid, n in so.num_scheduled_tokens.items():
             r = self.reqs[rid]
@@ -272,6 +279,10 @@ class StandInWorker(WorkerBase):
             r.seen_external = True
             lo, hi = r.computed, r.computed + n
             prefill |= hi < len(r.tokens) or lo + 1 < hi
+            last_chunk |= r.steps > 0 and hi == len(r.tokens) and n > 1
+            if r.steps == 0 and r.params.get("kvwire_test_corrupt_sent"):
+                flip_sent.append(rid)
+            r.steps += 1
             h = self._hashes(r, hi)
             for p in range(lo, hi):
                 bl.append(r.blocks[p // bs])
@@ -285,13 +296,16 @@ class StandInWorker(WorkerBase):
             live = has_kv_transfer_group() and get_kv_transfer_group().has_connector_metadata()
             for layer in range(self.num_layers):
                 name = layer_name(layer)
-                self.control.before_layer(layer)
+                self.control.before_layer(layer, last_chunk)
                 if live:
                     get_kv_transfer_group().wait_for_layer_load(name)
                 k, v = _model.kv_values(hs, layer, self.kv_heads, self.head_dim)
                 self.kv[name].write(blocks, slots, torch.from_numpy(k).to(self.dtype),
                                     torch.from_numpy(v).to(self.dtype))
                 self.control.compute()
+                if layer == 0:
+                    for rid in flip_sent:
+                        self._corrupt(rid, self.reqs[rid], "sent")
                 if live:
                     get_kv_transfer_group().save_kv_layer(name, self.kv_tensors[name], md[name])
                 if prefill:
@@ -327,11 +341,39 @@ class StandInWorker(WorkerBase):
             per_layer.append(x.contiguous().view(torch.uint8).numpy().tobytes())
         return _model.next_token(per_layer, self.vocab)
 
-    def _corrupt(self, rid: str, r: _Req) -> None:
+    def _probe(self) -> None:
+        """Looks for the K/V a test's probe names (see :mod:`kvwire.testing.control`) in every
+        block of the KV cache and of the connector's landing pool."""
+        spec = self.control.probe()
+        if spec is None or spec["id"] in self._probed or not self.kv:
+            return
+        name = layer_name(spec["layer"])
+        if name not in self.kv:
+            return
+        k, v = _model.kv_values(_model.prefix_hashes(spec["tokens"]), spec["layer"], self.kv_heads, self.head_dim)
+        want = torch.stack([torch.from_numpy(k), torch.from_numpy(v)]).to(self.dtype)  # [2, n, H, D]
+        n, bs = want.shape[1], self.cache_config.block_size
+        if n == 0 or n > bs:
+            return
+        places = [("cache", self.kv[name])]
+        pool = getattr(get_kv_transfer_group(), "landing_pool", None) if has_kv_transfer_group() else None
+        if pool is not None and pool(name) is not None:
+            places.append(("landing", _LayerKV(pool(name), self.head_dim)))
+        found = []
+        for where, lkv in places:
+            nb = lkv.t.shape[1] if lkv.split else lkv.t.shape[0]
+            x = lkv.read(list(range(nb)), nb * bs).reshape(2, nb, bs, *want.shape[2:])[:, :, :n]
+            hit = (x == want[:, None]).reshape(2, nb, -1).all(-1).all(0)
+            found += [{"in": where, "block": int(b)} for b in hit.nonzero().flatten().tolist()]
+        if found:
+            self._probed.add(spec["id"])
+            self.control.event(ev="probe", id=spec["id"], found=found)
+
+    def _corrupt(self, rid: str, r: _Req, what: str = "received") -> None:
         if not r.blocks:
             return
         self.kv[layer_name(0)].flip_byte(r.blocks[0])
-        self.control.event(ev="corrupt", req=rid, block=r.blocks[0])
+        self.control.event(ev="corrupt", req=rid, block=r.blocks[0], what=what)
 
     # vLLM asks for these on some paths; the stand-in has no model.
     def get_model(self):

@@ -199,6 +199,11 @@ class KvwireConnector(KVConnectorBase_V1, compat.SupportsHMA):
     def register_kv_caches(self, kv_caches):
         self._worker.register_kv_caches(kv_caches)
 
+    def landing_pool(self, layer_name):
+        """D's landing-pool tensor of a layer (policy ``land``; same layout as the layer's KV
+        cache), or None: for inspection, e.g. by :mod:`kvwire.testing`."""
+        return self._worker.landing.get(layer_name) if self._worker is not None else None
+
     def start_load_kv(self, forward_context, **kwargs):
         self._worker.start_load_kv(self._get_connector_metadata())
 
