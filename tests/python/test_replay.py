@@ -9,10 +9,12 @@ import sys
 
 import pytest
 
-from kvwire.replay import report as rp
-from kvwire.replay.client import Result
-from kvwire.replay.prompts import PromptBook
-from kvwire.replay.trace import TraceError, generate, read_trace
+pytest.importorskip("aiohttp", reason="aiohttp (shipped with vLLM) not installed in this venv")
+
+from kvwire.replay import report as rp  # noqa: E402
+from kvwire.replay.client import Result  # noqa: E402
+from kvwire.replay.prompts import PromptBook  # noqa: E402
+from kvwire.replay.trace import TraceError, generate, read_trace  # noqa: E402
 
 
 def write(tmp_path, lines):
