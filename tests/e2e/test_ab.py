@@ -47,6 +47,15 @@ def test_ab_quick_runs_every_arm():
         if a["warmup"]["errors"] and a["group"] not in warned:
             warned.add(a["group"])
             warnings.warn(f"{a['group']} warm-up: {a['warmup']['errors']} errors: {a['warmup']['error_samples']}")
+        # What the arm cost its servers: every thread's CPU, and busy steps from the stand-in
+        # (a decoding server has back-to-back busy steps; P, prefilling one request at a time,
+        # may have none).
+        assert set(a["engine"]) == ({"p", "d"} if a["group"] == "pd" else {"main"}), a["engine"].keys()
+        for srv, e in a["engine"].items():
+            assert e["cpu"]["total_s"] > 0 and e["cpu"]["threads"] > 1, (name, srv, e["cpu"])
+            if srv != "p":
+                st = e["steps"]
+                assert st and st["count"] > 0 and st["p90_s"] >= st["p50_s"] > 0, (name, srv, st)
         if a["group"] != "pd":
             continue
         t = a["timeline"]

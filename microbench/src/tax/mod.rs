@@ -13,9 +13,12 @@
 //!   loudly (stderr, JSON and table), and the Rust parts still run.
 //! * **Block pool**: the capacity held by kv_both under the agentic mix is measured by the clock
 //!   bench; `--clock-json` reads it from that bench's JSON (each cell's `pool` object).
+//! * **Serving level** (`--servers`, minutes): real `vllm serve` processes with no connector,
+//!   kv_both MooncakeConnector and kv_both KvwireConnector under one request stream ([`serving`]).
 
 pub mod core;
 pub mod idle;
+pub mod serving;
 
 use std::io::{BufRead, BufReader};
 use std::path::{Path, PathBuf};
@@ -58,12 +61,26 @@ pub struct TaxArgs {
     /// The clock bench's JSON, for the block-pool figures (each cell's `pool` object).
     #[arg(long, value_name = "FILE")]
     pub clock_json: Option<PathBuf>,
-    /// Skip the vLLM parts (the Rust parts only).
+    /// Skip the vLLM scheduler and worker parts (the Rust parts only, and --servers if given).
     #[arg(long)]
     pub no_vllm: bool,
     /// Do not draw a progress bar.
     #[arg(long)]
     pub no_progress: bool,
+    /// Also measure the tax at serving level: one request stream against real `vllm serve`
+    /// processes with no connector, kv_both MooncakeConnector and kv_both KvwireConnector
+    /// (`python -m kvwire.ab`, in the first venv; minutes).
+    #[arg(long)]
+    pub servers: bool,
+    /// Directory for the serving part's ab.json and server logs.
+    #[arg(long, default_value = "kvwire-tax-servers")]
+    pub servers_out: PathBuf,
+    /// A real model for the serving part (GPUs) instead of the CPU stand-in.
+    #[arg(long)]
+    pub model: Option<String>,
+    /// Tensor parallel size of the serving part's servers (with --model).
+    #[arg(long, default_value_t = 1)]
+    pub tensor_parallel_size: u32,
 }
 
 /// A child Python run: stderr lines starting with `[tax` go to the progress bar; the whole
@@ -641,6 +658,32 @@ pub fn run(a: &TaxArgs) -> ExitCode {
         let _ = std::fs::remove_dir_all(&dir);
     }
     bar.finish_and_clear();
+    // The serving part runs with --no-vllm too (that flag skips the scheduler and worker parts).
+    let serving_py = a
+        .python
+        .first()
+        .cloned()
+        .or_else(|| default_pythons().into_iter().next());
+    let servers = match (a.servers, serving_py.as_ref()) {
+        (false, _) => json!({"status": "not measured", "reason": "no --servers given"}),
+        (true, None) => json!({"status": "SKIPPED", "reason": "no vLLM venv (see above)"}),
+        (true, Some(py)) => {
+            eprintln!(
+                "kvwire-bench tax: serving level with {} (logs under {})",
+                py.display(),
+                a.servers_out.display()
+            );
+            let v = serving::run(&serving::ServingOpts {
+                python: py,
+                out: &a.servers_out,
+                quick: a.quick,
+                model: a.model.as_deref(),
+                tensor_parallel_size: a.tensor_parallel_size,
+            });
+            ok &= v["status"] == "ok";
+            v
+        }
+    };
     let checks = target_checks(&vllm);
     let result = json!({
         "schema": "kvwire.tax/1",
@@ -661,8 +704,16 @@ pub fn run(a: &TaxArgs) -> ExitCode {
         "install": INSTALL_HINT,
         "target": {"kvwire_minus_noop_max_us": TARGET_OVER_NOOP_US, "checks": checks},
         "pool": pool_section(a.clock_json.as_deref()),
+        "servers": servers,
     });
     print!("{}", table(&result));
+    match result["servers"]["status"].as_str() {
+        Some("ok" | "failed") => print!("{}", serving::table(&result["servers"])),
+        Some("SKIPPED") => {
+            println!("\nServing tax: SKIPPED: no vLLM venv (install: {INSTALL_HINT})")
+        }
+        _ => {}
+    }
     if let Some(path) = &a.json {
         let text = serde_json::to_string_pretty(&result).unwrap_or_default();
         if let Err(e) = std::fs::write(path, text) {

@@ -25,6 +25,19 @@ def markdown(ab: dict) -> str:
                      f"| {_ms(o['tpot_s']['p50'])} / {_ms(o['tpot_s']['p90'])} "
                      f"| {_ms(o['e2e_s']['p50'])} / {_ms(o['e2e_s']['p90'])} | {o['errors']} "
                      f"| {eq['equal']}/{eq['of']} |")
+    ran = [r for r in ab["arms"] if r["status"] == "ran" and r.get("engine")]
+    if ran:
+        lines += ["", "What each arm cost its servers during the replay: busy engine-core step interval (stand-in "
+                  "step events) and CPU seconds of every thread:", ""]
+        lines.append("| arm | server | step p50 / p90 ms | busy steps | CPU s | threads | top threads (CPU s) |")
+        lines.append("|---|---|---|---|---|---|---|")
+        for r in ran:
+            for name, e in r["engine"].items():
+                st, cpu = e.get("steps"), e["cpu"]
+                top = ", ".join(f"{t['name']} {t['cpu_s']:.2f}" for t in cpu["by_thread"][:3])
+                lines.append(f"| {r['arm']} | {name} | "
+                             + (f"{_ms(st['p50_s'])} / {_ms(st['p90_s'])} | {st['count']}" if st else "- | -")
+                             + f" | {cpu['total_s']:.2f} | {cpu['threads']} | {top} |")
     pd = [r for r in ab["arms"] if r["status"] == "ran" and r["group"] == "pd"]
     if pd:
         lines += ["", "P/D arms, from the connectors' timelines (D's clock; means of the decomposition):", ""]

@@ -12,11 +12,13 @@ import time
 import urllib.request
 
 from kvwire.ab import arms as _arms
+from kvwire.ab import engine as _engine
 from kvwire.ab.timelines import arm_figures
 from kvwire.replay import report as _report
 from kvwire.replay.client import Replayer
 from kvwire.replay.prompts import PromptBook
 from kvwire.replay.trace import generate, read_trace
+from kvwire.testing.control import ENV as CONTROL_ENV
 from kvwire.testing.ports import free_port
 from kvwire.testing.servers import Server, ServerError
 
@@ -65,8 +67,13 @@ class AbRun:
     # ---- servers ----
     def server(self, name: str, kt: dict | None, log_dir: str) -> Server:
         o = self.opts
+        env = {"VLLM_SERVER_DEV_MODE": "1"}
+        ctl = os.path.join(log_dir, f"control-{name}")
+        if not o.model:  # the stand-in's step events give the engine-core step times
+            os.makedirs(ctl, exist_ok=True)
+            env[CONTROL_ENV] = ctl
         s = Server(name, self.python, free_port(), self.model, kv_transfer_config=kt, log_dir=log_dir,
-                   env={"VLLM_SERVER_DEV_MODE": "1"}, block_size=o.block_size,
+                   env=env, block_size=o.block_size,
                    max_model_len=max(self.max_len, 1024), max_num_batched_tokens=o.max_num_batched_tokens,
                    num_blocks=o.num_blocks if not o.model else None, async_scheduling=True, log_stats=True)
         if o.model:  # a real model: vLLM's own worker on the default platform
@@ -78,6 +85,7 @@ class AbRun:
             s.cmd += ["--tensor-parallel-size", str(o.tensor_parallel_size)]
             s.env.pop("KVWIRE_TEST_CPU_PLATFORM", None)
         s.cmd += shlex.split(o.server_args or "")
+        s.events = os.path.join(ctl, "events.jsonl")
         return s
 
     def group_servers(self, group: str, d: str) -> dict:
@@ -176,6 +184,7 @@ class AbRun:
         log(f"arm {arm.name}: replaying {len(self.turns)} requests")
         t0 = time.monotonic()
         figures = {}
+        cpu0, ns0 = {n: _engine.snapshot(s.proc.pid) for n, s in servers.items()}, time.monotonic_ns()
         if arm.group == "pd":
             adir = os.path.join(d, arm.name)
             os.makedirs(adir, exist_ok=True)
@@ -184,6 +193,7 @@ class AbRun:
                 results = self.replay(url, arm.params)
             finally:
                 self.stop_proxy(proc, fh)
+            engine = self.engine_figures(servers, cpu0, ns0)
             tids = []
             for name in os.listdir(adir):
                 if name.startswith("router"):
@@ -201,10 +211,20 @@ class AbRun:
             figures["reset_prefix_cache"] = self.reset_prefix_cache([servers["p"], servers["d"]])
         else:
             results = self.replay(servers["main"].url, {})
+            engine = self.engine_figures(servers, cpu0, ns0)
         rep = _report.summarize(results)
         return {"arm": arm.name, "group": arm.group, "params": arm.params, "status": "ran",
-                "seconds": round(time.monotonic() - t0, 1), "replay": rep, "timeline": figures,
+                "seconds": round(time.monotonic() - t0, 1), "replay": rep, "timeline": figures, "engine": engine,
                 "outputs": [r.token_ids for r in results], "keys": [(r.session, r.turn) for r in results]}
+
+    @staticmethod
+    def engine_figures(servers: dict, cpu0: dict, ns0: int) -> dict:
+        """Per server, since ``cpu0``/``ns0`` (the arm's start): CPU by thread and busy step times
+        (see :mod:`kvwire.ab.engine`)."""
+        ns1 = time.monotonic_ns()
+        return {n: {"cpu": _engine.cpu_by_thread(cpu0[n], _engine.snapshot(s.proc.pid)),
+                    "steps": _engine.step_figures(_engine.read_steps(s.events), ns0, ns1)}
+                for n, s in servers.items()}
 
     def skip_reason(self, group: str) -> str | None:
         """Why a group cannot run here (said in the report as SKIPPED), or None."""
