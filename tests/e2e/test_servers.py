@@ -219,6 +219,22 @@ def test_prefix_hit_on_d_receives_only_the_suffix(cluster):
     assert got == whole - cached, (got, whole, cached)  # exactly the blocks it lacked
 
 
+def in_thread(fn, *args, **kw):
+    """Starts ``fn(*args, **kw)`` in a thread; returns the thread and a dict that gets its result
+    under ``"value"``, or a server or socket error under ``"error"``."""
+    out = {}
+
+    def run():
+        try:
+            out["value"] = fn(*args, **kw)
+        except (ServerError, OSError) as e:
+            out["error"] = e
+
+    th = threading.Thread(target=run)
+    th.start()
+    return th, out
+
+
 def step_indexes(ctl, tag):
     """Positions, in the worker's event order, of the steps that computed tokens of ``tag``."""
     return [i for i, e in enumerate(ctl.events("step"))
@@ -240,16 +256,9 @@ def test_prefix_hit_never_writes_a_cached_block_a_running_request_reads(cluster)
     a, _ = cluster.pd(base, f"hit1-{ASYNC}", "lazy", "layerwise")
     assert a == cluster.single_output(base, 5)
     shared = base + a
-    out = {}
-
-    def read():
-        try:
-            out["tokens"] = cluster.d.complete(shared, 1500, request_id=tag, timeout=WAIT_S)["tokens"]
-        except (ServerError, OSError) as e:
-            out["error"] = e
-
-    th = threading.Thread(target=read)
-    th.start()
+    # The reader's 1500 decode steps outlast turn 2, which needs a few of D's steps; the step
+    # order below checks it did.
+    th, out = in_thread(cluster.d.complete, shared, 1500, request_id=tag, timeout=WAIT_S)
     try:
         assert wait_for(lambda: steps_of(cluster.d_ctl, tag) > 1), "the reader does not run"
         nxt = shared + prompt_of(300, 323)
@@ -262,7 +271,7 @@ def test_prefix_hit_never_writes_a_cached_block_a_running_request_reads(cluster)
     assert "error" not in out, out
     reader, turn2 = step_indexes(cluster.d_ctl, tag), step_indexes(cluster.d_ctl, f"hittwo{int(ASYNC)}")
     assert turn2 and reader[0] < turn2[0] < reader[-1], "the reader did not run across turn 2"
-    assert out["tokens"] == cluster.single_output(shared, 1500), "the reader read a changed block"
+    assert out["value"]["tokens"] == cluster.single_output(shared, 1500), "the reader read a changed block"
     assert wait_for(cluster.d_idle)
 
 
@@ -294,16 +303,7 @@ def test_layer0_of_chunk0_lands_before_p_ends_its_last_chunk(cluster, policy):
     held = p_ctl.held(1)
     p_ctl.hold(1, last_chunk=True)
     d_ctl.probe(tid, prompt[:16], 0)
-    out = {}
-
-    def run():
-        try:
-            out["d"] = cluster.pd(prompt, tid, policy, "layerwise")
-        except (ServerError, OSError) as e:
-            out["error"] = e
-
-    th = threading.Thread(target=run)
-    th.start()
+    th, out = in_thread(cluster.pd, prompt, tid, policy, "layerwise")
     try:
         p_ctl.wait_held(1, held + 1)
         # P is inside its last chunk's forward: layer 0 computed, layer 1 not.
@@ -334,7 +334,7 @@ def test_layer0_of_chunk0_lands_before_p_ends_its_last_chunk(cluster, policy):
         d_ctl.end_probe()
         th.join(WAIT_S)
     assert "error" not in out, out
-    got, res = out["d"]
+    got, res = out["value"]
     assert "p_error" not in res, res
     assert got == cluster.single_output(prompt, 5), policy
     assert wait_for(cluster.d_idle)
@@ -633,16 +633,7 @@ def test_p_killed_mid_request_then_restarted(cluster):
     held = ctl.held(1)
     ctl.hold(1)
     prompt = prompt_of(LONG, 500)
-    res = {}
-
-    def d_side():
-        try:
-            res["d"] = cluster.pd(prompt, f"kill-{ASYNC}", "eager", "layerwise", timeout=150)
-        except (ServerError, OSError) as e:
-            res["error"] = e
-
-    th = threading.Thread(target=d_side)
-    th.start()
+    th, res = in_thread(cluster.pd, prompt, f"kill-{ASYNC}", "eager", "layerwise", timeout=150)
     try:
         ctl.wait_held(1, held + 1)
         cluster.p.kill()
@@ -650,7 +641,7 @@ def test_p_killed_mid_request_then_restarted(cluster):
         ctl.release(1)
     th.join(200)
     assert not th.is_alive(), "D's client still waiting"
-    assert "error" in res, f"D answered although P died: {res.get('d')}"
+    assert "error" in res, f"D answered although P died: {res.get('value')}"
     assert "HTTP" in str(res["error"]), res["error"]  # the server answered with an error status
     assert wait_for(cluster.d_idle), "D holds blocks after P died"
     local = prompt_of(100, 501)
