@@ -236,9 +236,15 @@ def in_thread(fn, *args, **kw):
 
 
 def step_indexes(ctl, tag):
-    """Positions, in the worker's event order, of the steps that computed tokens of ``tag``."""
+    """Positions, in the worker's event order, of the steps that computed tokens of the request
+    tagged ``tag``."""
     return [i for i, e in enumerate(ctl.events("step"))
             if e.get("tokens", 0) > 0 and any(tag in str(r) for r in e.get("reqs", []))]
+
+
+def steps_of(ctl, tag):
+    """How many steps of the stand-in worker computed tokens of the request tagged ``tag``."""
+    return len(step_indexes(ctl, tag))
 
 
 def test_prefix_hit_never_writes_a_cached_block_a_running_request_reads(cluster):
@@ -576,12 +582,6 @@ class Pending:
             pass
         self.conn.close()
         self.th.join(WAIT_S)
-
-
-def steps_of(ctl, tag):
-    """Steps of the stand-in worker that computed tokens of the request tagged ``tag``."""
-    return sum(1 for e in ctl.events("step")
-               if e.get("tokens", 0) > 0 and any(tag in str(r) for r in e.get("reqs", [])))
 
 
 def test_blackholed_peer_costs_no_steps(cluster):

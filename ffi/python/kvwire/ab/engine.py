@@ -16,6 +16,8 @@ from __future__ import annotations
 import json
 import os
 
+from kvwire.replay.report import quantile
+
 try:
     TICKS = os.sysconf("SC_CLK_TCK")
 except (ValueError, OSError, AttributeError):  # pragma: no cover - not Linux
@@ -111,8 +113,6 @@ def read_steps(events_path: str) -> list[dict]:
 def step_figures(steps: list[dict], t0_ns: int, t1_ns: int) -> dict | None:
     """Intervals between consecutive busy steps (both computed tokens) inside ``[t0, t1]``:
     count, p50, p90 and mean, seconds. None without a busy interval."""
-    from kvwire.replay.report import quantile
-
     inside = [e for e in steps if t0_ns <= e.get("t_ns", -1) <= t1_ns]
     gaps = [(b["t_ns"] - a["t_ns"]) / 1e9 for a, b in zip(inside, inside[1:])
             if a.get("tokens", 0) > 0 and b.get("tokens", 0) > 0]
