@@ -17,7 +17,9 @@ use crate::msg::{DecodeError, Message};
 use crate::peers::{Heard, LayerSet, Peers, Tombstones};
 use crate::timeline::{Outcome, Side, TimelineRecord};
 use crate::timer::Deadlines;
-use crate::types::{BlockId, FailReason, IdMap, Nanos, PeerId, Policy, RequestId, MS, SEC};
+use crate::types::{
+    BlockId, DownCause, FailReason, IdMap, Nanos, PeerId, Policy, RequestId, MS, SEC,
+};
 use std::collections::VecDeque;
 use thiserror::Error;
 
@@ -227,6 +229,8 @@ pub enum DAction {
     DisconnectPeer {
         /// The peer.
         peer: PeerId,
+        /// Why it was given up.
+        cause: DownCause,
     },
 }
 
@@ -611,7 +615,7 @@ impl DSide {
                 Ok(())
             }
             DEvent::PeerDown { peer } => {
-                self.peer_down(peer, FailReason::PeerDown, now);
+                self.peer_down(peer, FailReason::PeerDown, DownCause::Reported, now);
                 Ok(())
             }
         }
@@ -1131,9 +1135,10 @@ impl DSide {
         }
     }
 
-    fn peer_down(&mut self, peer: PeerId, reason: FailReason, now: Nanos) {
+    fn peer_down(&mut self, peer: PeerId, reason: FailReason, cause: DownCause, now: Nanos) {
         if let Some(reqs) = self.peers.down(peer) {
-            self.actions.push_back(DAction::DisconnectPeer { peer });
+            self.actions
+                .push_back(DAction::DisconnectPeer { peer, cause });
             for req in reqs {
                 self.fail_for_peer(req, reason, now);
             }
@@ -1173,8 +1178,8 @@ impl DSide {
                 },
             });
         }
-        for p in self.peers.silent(now, self.cfg.peer_timeout) {
-            self.peer_down(p, FailReason::PeerDown, now);
+        for (p, for_ns) in self.peers.silent(now, self.cfg.peer_timeout) {
+            self.peer_down(p, FailReason::PeerDown, DownCause::Silent { for_ns }, now);
         }
         self.timers
             .arm(now.saturating_add(self.cfg.heartbeat_interval), Timer::Tick);
@@ -1260,7 +1265,7 @@ impl DSide {
                 // P is alive but never confirmed: only tearing its connection down guarantees
                 // that no write lands in the blocks once they are released.
                 self.stats.drain_timeouts += 1;
-                self.peer_down(peer, FailReason::PeerDown, now);
+                self.peer_down(peer, FailReason::PeerDown, DownCause::DrainTimeout, now);
                 self.release_failed(req, now);
             }
             _ => self.fail(req, FailReason::Timeout, true, now),

@@ -101,4 +101,6 @@ pub use metrics::{DGauges, DMetrics, Histogram, PMetrics};
 pub use msg::{DecodeError, EncodeError, Message};
 pub use pside::{PAction, PConfig, PError, PEvent, PSide, PStats};
 pub use timeline::{decompose, Decomposition, Outcome, Side, TimelineRecord, SEGMENT_NAMES};
-pub use types::{BlockId, FailReason, Nanos, PeerId, Policy, RequestId, SendMode, MS, SEC};
+pub use types::{
+    BlockId, DownCause, FailReason, Nanos, PeerId, Policy, RequestId, SendMode, MS, SEC,
+};

@@ -91,12 +91,13 @@ impl Peers {
         Some(std::mem::take(&mut p.reqs).into_iter().collect())
     }
 
-    /// Peers silent for `timeout` or longer that are still marked up.
-    pub(crate) fn silent(&self, now: Nanos, timeout: Nanos) -> Vec<PeerId> {
+    /// Peers silent for `timeout` or longer that are still marked up, with how long each was.
+    pub(crate) fn silent(&self, now: Nanos, timeout: Nanos) -> Vec<(PeerId, Nanos)> {
         self.map
             .iter()
-            .filter(|(_, p)| p.up && now.saturating_sub(p.last_heard) >= timeout)
-            .map(|(id, _)| *id)
+            .map(|(id, p)| (*id, p.up, now.saturating_sub(p.last_heard)))
+            .filter(|&(_, up, quiet)| up && quiet >= timeout)
+            .map(|(id, _, quiet)| (id, quiet))
             .collect()
     }
 }

@@ -15,7 +15,9 @@ use crate::msg::{DecodeError, Message};
 use crate::peers::{Heard, LayerSet, Peers, Tombstones};
 use crate::timeline::{Outcome, Side, TimelineRecord};
 use crate::timer::Deadlines;
-use crate::types::{BlockId, FailReason, IdMap, Nanos, PeerId, RequestId, SendMode, MS, SEC};
+use crate::types::{
+    BlockId, DownCause, FailReason, IdMap, Nanos, PeerId, RequestId, SendMode, MS, SEC,
+};
 use std::collections::VecDeque;
 use std::sync::Arc;
 use thiserror::Error;
@@ -225,6 +227,8 @@ pub enum PAction {
     DisconnectPeer {
         /// The peer.
         peer: PeerId,
+        /// Why it was given up.
+        cause: DownCause,
     },
 }
 
@@ -471,7 +475,7 @@ impl PSide {
                 Ok(())
             }
             PEvent::PeerDown { peer } => {
-                self.peer_down(peer, FailReason::PeerDown, now);
+                self.peer_down(peer, FailReason::PeerDown, DownCause::Reported, now);
                 Ok(())
             }
         }
@@ -977,9 +981,10 @@ impl PSide {
         }
     }
 
-    fn peer_down(&mut self, peer: PeerId, reason: FailReason, now: Nanos) {
+    fn peer_down(&mut self, peer: PeerId, reason: FailReason, cause: DownCause, now: Nanos) {
         if let Some(reqs) = self.peers.down(peer) {
-            self.actions.push_back(PAction::DisconnectPeer { peer });
+            self.actions
+                .push_back(PAction::DisconnectPeer { peer, cause });
             for req in reqs {
                 self.fail(req, reason, false, now);
             }
@@ -1002,8 +1007,8 @@ impl PSide {
                 },
             );
         }
-        for p in self.peers.silent(now, self.cfg.peer_timeout) {
-            self.peer_down(p, FailReason::PeerDown, now);
+        for (p, for_ns) in self.peers.silent(now, self.cfg.peer_timeout) {
+            self.peer_down(p, FailReason::PeerDown, DownCause::Silent { for_ns }, now);
         }
         self.timers
             .arm(now.saturating_add(self.cfg.heartbeat_interval), Timer::Tick);
@@ -1064,7 +1069,7 @@ impl PSide {
                 // stop reading our blocks (and writing D's) before the blocks are released.
                 self.stats.drain_timeouts += 1;
                 let peer = r.peer;
-                self.peer_down(peer, FailReason::PeerDown, now);
+                self.peer_down(peer, FailReason::PeerDown, DownCause::DrainTimeout, now);
                 self.finish_fail(req, now);
             }
             PState::Active => self.fail(req, FailReason::Timeout, true, now),

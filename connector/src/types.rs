@@ -109,6 +109,31 @@ impl std::str::FromStr for SendMode {
     }
 }
 
+/// Why a core gave a peer up and asks the host to tear its connection down
+/// ([`crate::DAction::DisconnectPeer`], [`crate::PAction::DisconnectPeer`]).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum DownCause {
+    /// The host reported the peer down (its connection failed, nothing listens there).
+    Reported,
+    /// Nothing was heard from the peer for this long (at least `peer_timeout`).
+    Silent {
+        /// Time since the peer was last heard, ns.
+        for_ns: Nanos,
+    },
+    /// The peer stayed up but never confirmed a failed request's abort within `drain_timeout`.
+    DrainTimeout,
+}
+
+impl std::fmt::Display for DownCause {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            DownCause::Reported => f.write_str("reported down by the host"),
+            DownCause::Silent { for_ns } => write!(f, "silent for {} ms", for_ns / MS),
+            DownCause::DrainTimeout => f.write_str("never confirmed an abort within drain_timeout"),
+        }
+    }
+}
+
 /// Why a request failed. Carried in [`crate::msg::Message::Abort`] and in failure actions.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
 #[serde(rename_all = "snake_case")]

@@ -90,8 +90,9 @@ action!(
     ReportFailed { req: u64, blocks: Vec<u32>, reason: String }
 );
 action!(
-    /// Tear the connection to this peer down so that none of its writes can land any more.
-    DisconnectPeer { peer: u32 }
+    /// Tear the connection to this peer down so that none of its writes can land any more;
+    /// `cause` says why the core gave it up (for the log).
+    DisconnectPeer { peer: u32, cause: String }
 );
 action!(
     /// P: write layer `layer` from P's blocks `src` into D's `dst` (landing slots when
@@ -148,9 +149,14 @@ pub fn d_action(py: Python<'_>, a: DAction) -> PyResult<Py<PyAny>> {
             },
         )?
         .into_any(),
-        DAction::DisconnectPeer { peer } => {
-            Py::new(py, DisconnectPeer { peer: peer.0 })?.into_any()
-        }
+        DAction::DisconnectPeer { peer, cause } => Py::new(
+            py,
+            DisconnectPeer {
+                peer: peer.0,
+                cause: cause.to_string(),
+            },
+        )?
+        .into_any(),
     })
 }
 
@@ -210,9 +216,14 @@ pub fn p_action(py: Python<'_>, a: PAction) -> PyResult<Py<PyAny>> {
             },
         )?
         .into_any(),
-        PAction::DisconnectPeer { peer } => {
-            Py::new(py, DisconnectPeer { peer: peer.0 })?.into_any()
-        }
+        PAction::DisconnectPeer { peer, cause } => Py::new(
+            py,
+            DisconnectPeer {
+                peer: peer.0,
+                cause: cause.to_string(),
+            },
+        )?
+        .into_any(),
     })
 }
 

@@ -209,8 +209,14 @@ fn drain_deadline_releases_when_p_never_answers() {
             },
             now,
         );
-        if releases(&d_actions(&mut d)) > 0 {
+        let a = d_actions(&mut d);
+        if releases(&a) > 0 {
             released_at = Some(now);
+            // the connection goes, and the log can say why: P was heard all along
+            assert!(a.contains(&DAction::DisconnectPeer {
+                peer: P,
+                cause: DownCause::DrainTimeout
+            }));
         }
     }
     assert_eq!(released_at, Some(until));
@@ -225,7 +231,10 @@ fn peer_down_releases_at_once_and_disconnects() {
     d_actions(&mut d);
     d.handle(DEvent::PeerDown { peer: P }, 5).unwrap();
     let a = d_actions(&mut d);
-    assert!(a.contains(&DAction::DisconnectPeer { peer: P }));
+    assert!(a.contains(&DAction::DisconnectPeer {
+        peer: P,
+        cause: DownCause::Reported
+    }));
     assert_eq!(releases(&a), 1);
     assert_eq!(
         a.iter()
@@ -248,16 +257,25 @@ fn heartbeat_silence_is_peer_down() {
     reserved_lazy(&mut d, 1);
     let mut now = 0;
     let mut failed = false;
+    let mut cause = None;
     while now < 10 * SEC && !failed {
         now = d.poll_timeout().unwrap();
         d.handle_timeout(now);
-        failed = d_actions(&mut d)
-            .iter()
-            .any(|x| matches!(x, DAction::ReportFailed { .. }));
+        let a = d_actions(&mut d);
+        failed = a.iter().any(|x| matches!(x, DAction::ReportFailed { .. }));
+        cause = a.iter().find_map(|x| match x {
+            DAction::DisconnectPeer { cause, .. } => Some(*cause),
+            _ => None,
+        });
     }
     assert!(failed);
     assert!(now >= d.config().peer_timeout);
     assert!(now <= d.config().peer_timeout + d.config().heartbeat_interval);
+    // heard last while the request was set up (at t <= 1 ns): silent for about `now`
+    let Some(DownCause::Silent { for_ns }) = cause else {
+        panic!("given up for {cause:?}, not for silence");
+    };
+    assert!(for_ns >= d.config().peer_timeout && for_ns <= now && now - for_ns <= 1);
 }
 
 #[test]

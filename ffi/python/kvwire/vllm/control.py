@@ -12,6 +12,8 @@ A :class:`ControlPlane` owns (or borrows) a kvwire engine and two threads:
   after a failure, so a dead or black-holed peer costs the caller nothing. A destination that
   cannot be reached is reported to the owner once per failure streak (``unreachable``); messages
   queued for it are kept up to :data:`MAX_QUEUED` (heartbeats are dropped while it is down).
+  An envelope from a destination whose dial waits out a backoff ends the wait: it is up again
+  (a restart), and what we owe it (a hello reply, heartbeats) goes now.
 
 Identity: every envelope carries the sender's engine id and incarnation. A destination dialled
 by address is bound to the engine that answers the hello sent on the new connection (its reply
@@ -42,6 +44,7 @@ MAX_QUEUED = 4096
 CLOCK_INTERVAL = 2.0
 CLOCK_SAMPLES = 16
 BACKOFF_MIN, BACKOFF_MAX = 0.2, 30.0
+HELLO_RESEND = 1.0
 
 
 def advertised(listen: str, bound: str, advertise_host: str | None, towards: str | None = None) -> str:
@@ -106,6 +109,7 @@ class _Out:
     dropped: int = 0
     probe: bool = False  # connect even with nothing queued (to exchange hellos)
     failed: int = 0  # dials of this address that failed so far
+    hello_at: float = 0.0  # when a hello was last queued on the connection now up
 
 
 class ControlPlane:
@@ -128,11 +132,13 @@ class ControlPlane:
         self.name = name
         self.bad_messages = 0
         self.sent = 0
+        self.redials = 0  # dials made before their backoff ended, because the peer was heard
         self._lock = threading.Lock()
         self._tx_cv = threading.Condition(self._lock)
         self._rx_cv = threading.Condition(threading.Lock())
-        self._inbox: deque = deque()
-        self._events: deque = deque()  # ("unreachable" | "refused" | "reachable", addr)
+        # envelopes and reachability events, in the order they happened: a reply that follows a
+        # failed dial must not be undone by that dial's event
+        self._inbox: deque = deque()  # (False, envelope) | (True, ("unreachable" | "refused" | "reachable", addr))
         self._outs: dict[str, _Out] = {}
         #: engine id -> the advertised control address its envelopes carry
         self.addr_of: dict[str, str] = {}
@@ -168,9 +174,11 @@ class ControlPlane:
             self._tx_cv.notify()
 
     def probe(self, addr: str, now: bool = False) -> int:
-        """Makes sure a connection to ``addr`` is being made, so that the engine there answers
-        our hello (``engine_at[addr]`` is then set); ``now``: dial at once, backoff skipped.
-        Returns how many dials of it failed so far (see :meth:`failed_dials`)."""
+        """Makes sure the engine at ``addr`` answers our hello (``engine_at[addr]`` is then set):
+        a connection is made if none is up (``now``: at once, backoff skipped); on a connection
+        that is up, a hello is sent again (at most once per :data:`HELLO_RESEND` seconds) in case
+        its reply was lost with an earlier connection. Returns how many dials of it failed so far
+        (see :meth:`failed_dials`)."""
         with self._lock:
             out = self._outs.get(addr)
             if out is None:
@@ -179,6 +187,11 @@ class ControlPlane:
                 out.probe = True
                 if now:
                     out.retry_at = 0.0
+            elif out.peer is not None and self.hello is not None and addr not in self.engine_at:
+                t = time.monotonic()
+                if t - out.hello_at >= HELLO_RESEND:
+                    out.hello_at = t
+                    out.queue.appendleft(self._hello_tag(addr))
             self._tx_cv.notify()
             return out.failed
 
@@ -189,13 +202,19 @@ class ControlPlane:
             return out.failed if out is not None else 0
 
     def recv(self, timeout: float) -> tuple[list, list]:
-        """``(envelopes, events)`` that arrived, waiting up to ``timeout`` seconds for the first."""
+        """``(envelopes, events)`` that arrived, waiting up to ``timeout`` seconds for the first
+        (for an owner that does not need their relative order; see :meth:`recv_ordered`)."""
+        items = self.recv_ordered(timeout)
+        return [x for ev, x in items if not ev], [x for ev, x in items if ev]
+
+    def recv_ordered(self, timeout: float) -> list:
+        """What arrived, in order, waiting up to ``timeout`` seconds for the first: ``(False,
+        envelope)`` or ``(True, (kind, addr))`` for a reachability event."""
         with self._rx_cv:
-            if not self._inbox and not self._events and timeout > 0:
+            if not self._inbox and timeout > 0:
                 self._rx_cv.wait(timeout)
-            msgs, self._inbox = list(self._inbox), deque()
-            evs, self._events = list(self._events), deque()
-        return msgs, evs
+            items, self._inbox = list(self._inbox), deque()
+        return items
 
     def wake(self) -> None:
         """Makes a waiting :meth:`recv` return now."""
@@ -250,6 +269,7 @@ class ControlPlane:
             return
         if e.engine_id and e.control:
             self.addr_of[e.engine_id] = e.control
+            self._heard_at(e.control)
         if e.kind == env.CLOCK:
             self._on_clock(e, now)
             return
@@ -269,8 +289,20 @@ class ControlPlane:
                 self.send(e.control, env.HELLO_REPLY, env.to_json(reply))
         self.incarnation_of[e.engine_id] = e.incarnation
         with self._rx_cv:
-            self._inbox.append(e)
+            self._inbox.append((False, e))
             self._rx_cv.notify_all()
+
+    def _heard_at(self, addr: str) -> None:
+        """An envelope came from the engine advertising ``addr``: it is up, so a dial of it that
+        waits out a backoff (it was down a while, say restarting) is made now instead — what we
+        owe it (our hello reply, heartbeats) must not wait up to :data:`BACKOFF_MAX`."""
+        with self._lock:
+            out = self._outs.get(addr)
+            if out is not None and out.peer is None and not out.connecting and out.retry_at > time.monotonic():
+                out.retry_at = 0.0
+                out.backoff = 0.0
+                self.redials += 1
+                self._tx_cv.notify()
 
     def _on_clock(self, e, now: int) -> None:
         try:
@@ -353,21 +385,23 @@ class ControlPlane:
                 # black hole says less, and is left to the peer's heartbeats).
                 self._event(("refused", o.addr))
             return
-        hello = None
-        if self.hello is not None:
-            h = dict(self.hello())
-            h["dialled"] = o.addr
-            hello = env.encode(env.HELLO, self.engine_id, self.incarnation, self.addr, env.to_json(h))
+        hello = self._hello_tag(o.addr) if self.hello is not None else None
         with self._lock:
             o.connecting = False
             o.peer = peer
             o.backoff = 0.0
             was_down, o.down_reported = o.down_reported, False
             if hello is not None:
+                o.hello_at = time.monotonic()
                 o.queue.appendleft(hello)
             self._tx_cv.notify()
         if was_down:
             self._event(("reachable", o.addr))
+
+    def _hello_tag(self, addr: str) -> bytes:
+        h = dict(self.hello())
+        h["dialled"] = addr
+        return env.encode(env.HELLO, self.engine_id, self.incarnation, self.addr, env.to_json(h))
 
     def _broken(self, o: _Out, why: str) -> None:
         with self._lock:
@@ -383,5 +417,5 @@ class ControlPlane:
 
     def _event(self, ev) -> None:
         with self._rx_cv:
-            self._events.append(ev)
+            self._inbox.append((True, ev))
             self._rx_cv.notify_all()

@@ -129,7 +129,17 @@ class DRequests:
                 self.redial_of.pop(req, None)
                 pid = self._pid_for_addr(addr)
                 if pid is None:
-                    return None, False  # P's identity is on its way (first request to it)
+                    # P's identity is on its way (the first request to it, or P restarted), but an
+                    # engine that never answers our hello must not hold the request forever
+                    now = _now()
+                    since = self.identity_wait.setdefault(req, now)
+                    if now - since < self.opts.timeouts["wait_for_p_timeout"] * 1e9:
+                        return None, False
+                    self.identity_wait.pop(req, None)
+                    logger.warning("kvwire: request %s: the engine at %s did not answer our hello in %.0f s",
+                                   req, addr, self.opts.timeouts["wait_for_p_timeout"])
+                    return self._fail_early(request, dp, tokens)
+                self.identity_wait.pop(req, None)
                 policy = dp.policy or self.opts.policy
                 core = self.d_core(policy)
                 key = env.request_key(dp.transfer_id)
@@ -280,6 +290,7 @@ class DRequests:
             # Nothing of that P may land any more: its workers' connections to ours are fenced
             # before the blocks the core releases next are reused.
             eid = self.engine_of_pid.get(a.peer, "")
+            self._log_given_up("P", eid or a.peer, a.cause)
             addrs = list(self.control.peer_hello.get(eid, {}).get("data") or [])
             self.out_fence.extend(addrs)
             if eid in self.restarted:

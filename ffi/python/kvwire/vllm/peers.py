@@ -30,6 +30,7 @@ class PeerBook:
         # addresses whose engine answered our hello on the connection now up (see _pid_for_addr)
         self.answered: set[str] = set()
         self.redial_of: dict[str, int] = {}  # D request -> failed dials of its P's address when it asked
+        self.identity_wait: dict[str, int] = {}  # D request -> when it began to wait for its P's hello reply
         self.engine_of_pid: dict[int, str] = {}
         self.heard: set[int] = set()
         self.incompatible: dict[int, list[str]] = {}
@@ -90,8 +91,13 @@ class PeerBook:
     def _on_hello(self, e, now: int) -> None:
         """A peer's hello or its reply to ours: its identity, layout and data addresses."""
         if e.kind == env.HELLO_REPLY:
-            reached = self.control.peer_hello.get(e.engine_id, {}).get("reached_as")
+            try:
+                reached = env.from_json(e.payload).get("reached_as")  # this reply's, not the latest
+            except ValueError:
+                reached = None
             if isinstance(reached, str):
+                # again here, in order: a refused dial handled just before may have unset it
+                self.control.engine_at[reached] = e.engine_id
                 self.answered.add(reached)
         pid = self._pid_for_engine(e.engine_id, e.control)
         self.heard.add(pid)
@@ -127,6 +133,13 @@ class PeerBook:
                 if st.pid is None and st.addr == addr:
                     logger.warning("kvwire: request %s: D at %s cannot be reached", st.req, addr)
                     st.unreachable = True
+
+    def _log_given_up(self, role: str, peer, cause: str) -> None:
+        """A core gave a peer up (its connections are torn down, its requests failed): why, in
+        the log. A peer the host reported down was logged when it was reported."""
+        level = logging.INFO if cause.startswith("reported") else logging.WARNING
+        logger.log(level, "kvwire: %s %s given up: %s; its requests fail and its connections are torn down",
+                   role, peer, cause)
 
     def _check_peer(self, pid: int, hello: dict) -> None:
         theirs = hello.get("descriptor") or {}

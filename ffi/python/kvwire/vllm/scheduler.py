@@ -135,15 +135,17 @@ class SchedulerSide(PeerBook, DRequests, PRequests):
             now = _now()
             due = [t for core in self._cores() if (t := core.poll_timeout()) is not None]
             wait = 0.5 if not due else max(0.0, min(0.5, (min(due) - now) / 1e9))
-            msgs, evs = self.control.recv(wait)
+            items = self.control.recv_ordered(wait)
             if self._stop:
                 break
             with self.lock:
                 now = _now()
-                for e in msgs:
-                    self._on_envelope(e, now)
-                for kind, addr in evs:
-                    self._on_reachability(kind, addr, now)
+                # in the order they happened: a hello reply after a failed dial stands
+                for is_event, x in items:
+                    if is_event:
+                        self._on_reachability(x[0], x[1], now)
+                    else:
+                        self._on_envelope(x, now)
                 for core in self._cores():
                     t = core.poll_timeout()
                     if t is not None and t <= now:
@@ -308,6 +310,7 @@ class SchedulerSide(PeerBook, DRequests, PRequests):
         with self.lock:
             now = _now()
             self.redial_of.pop(request.request_id, None)
+            self.identity_wait.pop(request.request_id, None)
             st = self.d_reqs.get(request.request_id)
             if st is not None:
                 return self._d_finished(st, now)

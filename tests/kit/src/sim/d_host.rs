@@ -222,7 +222,7 @@ impl Sim {
                         self.check.release(0, req, &blocks);
                     }
                 }
-                DAction::DisconnectPeer { peer } => {
+                DAction::DisconnectPeer { peer, .. } => {
                     // D gave this P up: tear the link down so nothing in flight lands; P sees
                     // its end of the connection drop and gives up its requests to D.
                     let p = peer.0 as usize;
