@@ -23,13 +23,13 @@ import subprocess
 import sys
 import tempfile
 import threading
-import time
 
 import pytest
 
 from kvwire.testing.control import Control
 from kvwire.testing.model import write_model_dir
 from kvwire.testing.servers import Server, ServerError, free_port, reference
+from kvwire.testing.wait import wait_for as _wait_for
 
 ASYNC = os.environ.get("KVWIRE_E2E_ASYNC", "1") == "1"
 BATCHED = 512  # max_num_batched_tokens: longer prompts are prefilled in chunks
@@ -40,12 +40,7 @@ WAIT_S = 180.0
 
 
 def wait_for(cond, timeout=WAIT_S, step=0.2):
-    end = time.monotonic() + timeout
-    while time.monotonic() < end:
-        if cond():
-            return True
-        time.sleep(step)
-    return cond()
+    return _wait_for(cond, timeout, step)
 
 
 class Cluster:

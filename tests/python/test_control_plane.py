@@ -2,7 +2,6 @@
 order of envelopes and reachability events, redials of a peer that is heard from, hellos sent
 again on a connection whose peer's identity was lost."""
 
-import socket
 import time
 
 import pytest
@@ -10,25 +9,15 @@ import pytest
 pytest.importorskip("kvwire", reason="kvwire not installed in this venv (run tests/python/setup.sh)")
 
 from kvwire.vllm import envelope as env  # noqa: E402
+from kvwire.testing.ports import free_port  # noqa: E402
+from kvwire.testing.wait import wait_for as _wait_for  # noqa: E402
 from kvwire.vllm.control import ControlPlane  # noqa: E402
 
 WAIT_S = 60.0
 
 
 def wait_for(cond, timeout=WAIT_S):
-    """Waits until ``cond()`` holds; bounds a hang only."""
-    end = time.monotonic() + timeout
-    while time.monotonic() < end:
-        if cond():
-            return True
-        time.sleep(0.005)
-    return cond()
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    return _wait_for(cond, timeout)
 
 
 def hello(role):

@@ -10,7 +10,6 @@ import json
 import os
 import subprocess
 import sys
-import time
 
 import pytest
 
@@ -19,17 +18,13 @@ pytest.importorskip("aiohttp", reason="aiohttp (shipped with vLLM) not installed
 from fake_openai import FakeBackend  # noqa: E402
 
 from kvwire.testing.ports import free_port  # noqa: E402
+from kvwire.testing.wait import wait_for as _wait_for  # noqa: E402
 
 WAIT_S = 30.0
 
 
 def wait_for(cond, timeout=WAIT_S):
-    end = time.monotonic() + timeout
-    while time.monotonic() < end:
-        if cond():
-            return True
-        time.sleep(0.05)
-    return cond()
+    return _wait_for(cond, timeout, step=0.05)
 
 
 class ProxyProc:
@@ -126,6 +121,7 @@ def test_kvwire_style_dispatch_and_record(make):
     assert status == 200, data
     out = json.loads(data)
     assert out["id"] == "b1" and out["choices"][0]["token_ids"] == [6, 7, 8, 6]  # D's answer
+    assert wait_for(lambda: p.bodies)  # P is asked at the same time as D: it may answer later
     (pb,), (db,) = p.bodies, d.bodies
     tid = pb["kv_transfer_params"]["transfer_id"]
     assert pb["max_tokens"] == 1 and pb["stream"] is False
@@ -152,6 +148,7 @@ def test_stream_is_relayed_and_timed(make):
     assert status == 200
     ids, errors = sse_tokens(data)
     assert ids == [2, 3, 4, 5, 6] and not errors and data.endswith(b"data: [DONE]\n\n")
+    assert wait_for(lambda: p.bodies)  # P is asked at the same time as D: it may answer later
     assert "stream_options" not in p.bodies[0] and d.bodies[0]["stream_options"] == {"include_usage": True}
     assert wait_for(lambda: len(px.record_lines()) == 1)
     (rec,) = px.record_lines()
@@ -185,6 +182,7 @@ def test_mooncake_style_and_client_params(make):
                                                "kv_transfer_params": {"kvwire_policy": "eager",
                                                                       "transfer_id": "client-cannot-set-it"}})
     assert status == 200
+    assert wait_for(lambda: p.bodies)  # P is asked at the same time as D: it may answer later
     pk, dk = p.bodies[0]["kv_transfer_params"], d.bodies[0]["kv_transfer_params"]
     assert pk["transfer_id"] == dk["transfer_id"] != "client-cannot-set-it"
     assert "remote_control" not in pk and pk["do_remote_decode"] is True

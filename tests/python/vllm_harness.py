@@ -15,6 +15,7 @@ from unittest import mock
 
 import torch
 from kvwire.testing.ports import free_port
+from kvwire.testing.wait import wait_for as _wait_for
 from vllm import SamplingParams
 from vllm.config import CacheConfig, DeviceConfig, KVTransferConfig, ModelConfig, ParallelConfig, SchedulerConfig, VllmConfig
 from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
@@ -254,12 +255,7 @@ def run_until(cond, *steps, max_steps=None):
 
 def wait_for(cond, timeout=WAIT_S):
     """Waits (without stepping) until ``cond()`` holds; bounds a hang only."""
-    end = time.monotonic() + timeout
-    while time.monotonic() < end:
-        if cond():
-            return True
-        time.sleep(0.005)
-    return cond()
+    return _wait_for(cond, timeout)
 
 
 def introduce(*sides):

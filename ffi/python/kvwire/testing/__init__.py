@@ -19,4 +19,5 @@ Nothing here is used by the connector or the engine; production servers never lo
   on (vLLM's own CPU platform always turns it off), selected through a test-only platform plugin
   (``tests/e2e/plugin``) that is installed into test environments only.
 * :mod:`kvwire.testing.servers` — starting and stopping such servers from a test.
+* :mod:`kvwire.testing.wait` — polling for a condition with a bound on the wait.
 """
