@@ -440,12 +440,14 @@ def test_bundles_split_in_order_and_reject_garbage():
             env.unbundle(bad)
 
 
-def test_p_dies_while_d_waits(pair):
+def test_p_dies_while_d_waits(pair, caplog):
     """P's scheduler goes away after D announced the request (lazy: D holds nothing). D's next
     heartbeat to P fails, P is declared down, and the request ends through the load-error path
-    with nothing leaked, instead of waiting for P forever."""
+    with nothing leaked, instead of waiting for P forever. D's log says why it gave P up."""
+    import logging
     import time
 
+    caplog.set_level(logging.INFO, logger="kvwire.vllm")
     d, p = pair({"policy": "lazy"})
     dreq = d_request("r7", p)
     d.sched.add_request(dreq)
@@ -461,6 +463,9 @@ def test_p_dies_while_d_waits(pair):
         time.sleep(0.01)
     assert dreq.is_finished()
     assert dreq.status != RequestStatus.FINISHED_LENGTH_CAPPED
+    given_up = [r.getMessage() for r in caplog.records if "given up" in r.getMessage()]
+    assert len(given_up) == 1 and "P " in given_up[0], given_up
+    assert "reported down by the host" in given_up[0] or "silent for" in given_up[0], given_up
     assert_no_leak(d)
 
 

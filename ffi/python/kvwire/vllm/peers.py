@@ -38,6 +38,7 @@ class PeerBook:
         self.fenced: dict[str, list] = {}  # engine id -> its data addresses fenced
         self.inc_of_engine: dict[str, int] = {}  # the incarnation of its last message
         self.restarted: set[str] = set()  # engines heard in a new incarnation since the last actions
+        self.given_up_at: dict = {}  # peer -> when a core last gave it up (one log line for all cores)
 
     def _hello(self) -> dict:
         return {"role": "p" if self.c._is_producer else "d", "both": self.c._is_producer and self.c._is_consumer,
@@ -134,9 +135,14 @@ class PeerBook:
                     logger.warning("kvwire: request %s: D at %s cannot be reached", st.req, addr)
                     st.unreachable = True
 
-    def _log_given_up(self, role: str, peer, cause: str) -> None:
+    def _log_given_up(self, role: str, peer, cause: str, now: int) -> None:
         """A core gave a peer up (its connections are torn down, its requests failed): why, in
-        the log. A peer the host reported down was logged when it was reported."""
+        the log, once for all the cores that give it up together (one per policy or send mode).
+        A peer the host reported down was logged when it was reported."""
+        last = self.given_up_at.get(peer)
+        self.given_up_at[peer] = now
+        if last is not None and now - last < 1_000_000_000:
+            return
         level = logging.INFO if cause.startswith("reported") else logging.WARNING
         logger.log(level, "kvwire: %s %s given up: %s; its requests fail and its connections are torn down",
                    role, peer, cause)
