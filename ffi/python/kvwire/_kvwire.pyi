@@ -539,11 +539,14 @@ class ReportFailed:
 
 @final
 class DisconnectPeer:
-    """Tear the connection to this peer down so that none of its writes can land any more."""
+    """Tear the connection to this peer down so that none of its writes can land any more;
+    ``cause`` says why the core gave it up (for the log)."""
 
-    __match_args__ = ("peer",)
+    __match_args__ = ("peer", "cause")
     @property
     def peer(self) -> int: ...
+    @property
+    def cause(self) -> str: ...
 
 @final
 class Transfer:
