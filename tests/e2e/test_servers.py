@@ -59,7 +59,7 @@ class Cluster:
             return {"kv_connector": "KvwireConnector", "kv_connector_module_path": "kvwire.vllm", "kv_role": role,
                     "kv_connector_extra_config": {"control_listen": f"127.0.0.1:{ctl}",
                                                   "data_listen": f"127.0.0.1:{free_port()}",
-                                                  "timeline_path": self.timelines, "peer_timeout": 3,
+                                                  "timeline_path": self.timelines,
                                                   "heartbeat_interval": 0.5, "connect_timeout": 60, **extra}}
 
         self.single = Server("single", py, free_port(), self.model, **common)

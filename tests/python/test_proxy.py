@@ -237,6 +237,78 @@ def test_client_gone_mid_stream_closes_p_and_d(make):
     assert px.get("/status")[1]["counts"]["client_gone"] == 1
 
 
+class InProcessProxy:
+    """The proxy's app in this process, on a runner without ``handler_cancellation``: a client that
+    hangs up is then seen only when the proxy next writes to it (as happens, by a race, in the
+    proxy's own runner too)."""
+
+    def __init__(self, args, tmp_path):
+        import asyncio
+        import threading
+
+        from aiohttp import web
+
+        from kvwire.proxy.__main__ import parser
+        from kvwire.proxy.backends import parse_backend
+        from kvwire.proxy.policy import load_policy
+        from kvwire.proxy.records import RecordWriter
+        from kvwire.proxy.server import Proxy
+
+        self.port, self.records = free_port(), str(tmp_path / "records")
+        opts = parser().parse_args(["--port", str(self.port), "--records", self.records, *args])
+        self.proxy = Proxy(opts, [parse_backend(s, "p") for s in opts.prefill],
+                           [parse_backend(s, "d") for s in opts.decode], load_policy(opts.policy, opts),
+                           RecordWriter(opts.records))
+        self.loop = asyncio.new_event_loop()
+        started = threading.Event()
+
+        async def start():
+            await self.proxy.open()
+            self.runner = web.AppRunner(self.proxy.app(), handler_cancellation=False, access_log=None)
+            await self.runner.setup()
+            await web.TCPSite(self.runner, "127.0.0.1", self.port).start()
+            started.set()
+
+        self.thread = threading.Thread(target=lambda: (self.loop.run_until_complete(start()),
+                                                       self.loop.run_forever()), daemon=True)
+        self.thread.start()
+        assert started.wait(WAIT_S)
+
+    record_lines = ProxyProc.record_lines
+
+    def stop(self):
+        import asyncio
+
+        asyncio.run_coroutine_threadsafe(self.runner.cleanup(), self.loop).result(WAIT_S)
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self.thread.join(WAIT_S)
+
+
+def test_client_gone_seen_at_a_write_is_the_clients_not_ds(make, tmp_path):
+    """aiohttp's error for a write to a client that went away (``ClientConnectionResetError``) is
+    an ``aiohttp.ClientError`` too: it is still the client's hang-up (499), not D's failure (502),
+    and D stays healthy."""
+    backends, _ = make
+    p, d = backends("ok", "hold")
+    px = InProcessProxy(["--health-interval", "3600", "--prefill", spec(p, control="h:1"),
+                         "--decode", spec(d, control="h:2")], tmp_path)
+    try:
+        c = http.client.HTTPConnection("127.0.0.1", px.port, timeout=WAIT_S)
+        c.request("POST", "/v1/completions", body=json.dumps({"prompt": [1, 2], "max_tokens": 200, "stream": True}))
+        r = c.getresponse()
+        assert r.status == 200
+        assert b"token_ids" in r.fp.readline() + r.fp.readline()  # D's first token came through
+        c.sock.close()
+        c.close()
+        d.release()  # D streams the rest: the proxy's writes to the gone client fail
+        assert wait_for(lambda: len(px.record_lines()) == 1)
+        (rec,) = px.record_lines()
+        assert (rec["status"], rec["error"]) == (499, "the client went away"), rec
+        assert px.proxy.decode[0].healthy and px.proxy.counts["client_gone"] == 1, px.proxy.counts
+    finally:
+        px.stop()
+
+
 def test_unreachable_backend_at_startup(make):
     backends, proxy = make
     (p,) = backends("ok")

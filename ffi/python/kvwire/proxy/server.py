@@ -43,6 +43,19 @@ class BackendFailure(Exception):
         self.status = status
 
 
+class ClientGone(Exception):
+    """Writing to the client failed: it went away. aiohttp raises ``ClientConnectionResetError``
+    there, which is an ``aiohttp.ClientError`` too; kept apart so that a client's hang-up is never
+    taken for D's failure (a 502, and D marked unhealthy)."""
+
+
+async def _to_client(write) -> None:
+    try:
+        await write
+    except ConnectionError as e:
+        raise ClientGone(str(e) or type(e).__name__) from e
+
+
 def error_body(status: int, message: str) -> dict:
     return {"error": {"message": message, "type": "kvwire_proxy_error", "code": status}}
 
@@ -304,6 +317,9 @@ class Proxy:
                 raise
             finally:
                 r.release()
+        except ClientGone:
+            rec["status"], rec["error"] = 499, "the client went away"
+            return sink["out"]
         except asyncio.TimeoutError:
             failure = BackendFailure(d, 504, f"no answer within {self.opts.timeout} s")
         except aiohttp.ClientError as e:
@@ -311,9 +327,6 @@ class Proxy:
             d.healthy, d.last_error = isinstance(e, aiohttp.ClientResponseError), str(e) or type(e).__name__
         except BackendFailure as e:
             failure = e
-        except ConnectionResetError:
-            rec["status"], rec["error"] = 499, "the client went away"
-            return sink["out"]
         rec["status"], rec["error"] = failure.status, str(failure)
         logger.warning("kvwire.proxy: request %s: %s", rec["transfer_id"], failure)
         out = sink.get("out")
@@ -338,7 +351,7 @@ class Proxy:
             return web.Response(body=data, status=200, content_type="application/json")
         out = sink["out"] = web.StreamResponse(status=200, headers={"Content-Type": "text/event-stream",
                                                                     "Cache-Control": "no-cache"})
-        await out.prepare(request)
+        await _to_client(out.prepare(request))
         watch = OutputWatcher()
         while True:
             chunk = await self._next(asyncio.create_task(r.content.readany()), p_task)
@@ -348,8 +361,8 @@ class Proxy:
                 now = time.monotonic_ns()
                 rec["first_token_ns"] = rec["first_token_ns"] or now
                 rec["last_token_ns"] = now
-            await out.write(chunk)
+            await _to_client(out.write(chunk))
         rec["status"] = 200
         rec["error"] = watch.error
-        await out.write_eof()
+        await _to_client(out.write_eof())
         return out
