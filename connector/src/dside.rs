@@ -11,6 +11,12 @@
 //! keeps the blocks until P confirms (its `Abort`) that no write is in flight, P is declared down
 //! (the host must then tear its connection down, [`DAction::DisconnectPeer`]), or the drain
 //! deadline passes.
+//!
+//! A P that falls silent (nothing heard for `peer_timeout`) may be dead or only stalled (a
+//! process that got no CPU for a while): its requests fail, but it is not given up for its
+//! silence. Those whose block ids it has drain like any failed request, so a stalled P that
+//! comes back confirms, and keeps its connection and its data path; only a drain that times out
+//! gives it up.
 
 use crate::metrics::{reason_index, DGauges, DMetrics};
 use crate::msg::{DecodeError, Message};
@@ -36,7 +42,7 @@ pub struct DConfig {
     pub incarnation: u64,
     /// Period of heartbeats to each peer and of liveness checks.
     pub heartbeat_interval: Nanos,
-    /// A peer silent this long is declared down.
+    /// A peer silent this long fails its requests (those whose block ids it has drain first).
     pub peer_timeout: Nanos,
     /// Arrival → P's `Started`; past it the request fails.
     pub wait_for_p_timeout: Nanos,
@@ -55,7 +61,7 @@ pub struct DConfig {
 }
 
 impl DConfig {
-    /// Defaults: heartbeats every 500 ms, peer down after 3 s of silence, 30 s to hear from P,
+    /// Defaults: heartbeats every 500 ms, requests fail after 3 s of P's silence, 30 s to hear from P,
     /// 60 s to receive everything, 10 s drain, 10 s orphans, 60 s tombstones.
     pub fn new(policy: Policy, layers: u16) -> Self {
         DConfig {
@@ -320,6 +326,8 @@ pub struct DStats {
     pub failed: u64,
     /// Failed requests whose blocks waited for the drain deadline (P was disconnected).
     pub drain_timeouts: u64,
+    /// Times a P with live requests fell silent for `peer_timeout` (they failed).
+    pub silences: u64,
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -1179,10 +1187,39 @@ impl DSide {
             });
         }
         for (p, for_ns) in self.peers.silent(now, self.cfg.peer_timeout) {
-            self.peer_down(p, FailReason::PeerDown, DownCause::Silent { for_ns }, now);
+            self.peer_silent(p, for_ns, now);
         }
         self.timers
             .arm(now.saturating_add(self.cfg.heartbeat_interval), Timer::Tick);
+    }
+
+    /// Fails the requests of a P silent for `for_ns` (see the module's docs): not given up,
+    /// so a stalled P that comes back keeps its data path. Those whose block ids it has drain:
+    /// their blocks wait for its confirming `Abort` or the drain deadline, and only that
+    /// deadline gives it up ([`DownCause::DrainTimeout`]). A request younger than `peer_timeout`
+    /// waits: silence is judged over a request's own life (the peer may be heard again as soon
+    /// as a connection that broke while it stalled is made again).
+    fn peer_silent(&mut self, peer: PeerId, for_ns: Nanos, now: Nanos) {
+        let timeout = self.cfg.peer_timeout;
+        let reqs = self.peers.requests_of(peer, |r| {
+            self.reqs.get(&r).is_some_and(|r| {
+                r.state != DState::Draining && now.saturating_sub(r.created) >= timeout
+            })
+        });
+        if reqs.is_empty() {
+            return;
+        }
+        self.stats.silences += 1;
+        tracing::warn!(
+            target: "kvwire_connector",
+            peer = peer.0,
+            silent_ms = for_ns / MS,
+            requests = reqs.len(),
+            "d: P silent, its requests fail"
+        );
+        for req in reqs {
+            self.fail(req, FailReason::Timeout, true, now);
+        }
     }
 
     fn deadline(&self, r: &DReq) -> Option<Nanos> {

@@ -81,6 +81,17 @@ impl Peers {
         Heard::Alive
     }
 
+    /// The live requests of `peer` that `keep` selects, in order.
+    pub(crate) fn requests_of(
+        &self,
+        peer: PeerId,
+        keep: impl Fn(RequestId) -> bool,
+    ) -> Vec<RequestId> {
+        self.map.get(&peer).map_or_else(Vec::new, |p| {
+            p.reqs.iter().copied().filter(|&r| keep(r)).collect()
+        })
+    }
+
     /// Marks `peer` down; returns its live requests (to fail), or `None` if it was already down.
     pub(crate) fn down(&mut self, peer: PeerId) -> Option<Vec<RequestId>> {
         let p = self.map.get_mut(&peer)?;
@@ -95,9 +106,10 @@ impl Peers {
     pub(crate) fn silent(&self, now: Nanos, timeout: Nanos) -> Vec<(PeerId, Nanos)> {
         self.map
             .iter()
-            .map(|(id, p)| (*id, p.up, now.saturating_sub(p.last_heard)))
-            .filter(|&(_, up, quiet)| up && quiet >= timeout)
-            .map(|(id, _, quiet)| (id, quiet))
+            .filter_map(|(id, p)| {
+                let quiet = now.saturating_sub(p.last_heard);
+                (p.up && quiet >= timeout).then_some((*id, quiet))
+            })
             .collect()
     }
 }

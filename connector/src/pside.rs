@@ -9,6 +9,11 @@
 //! are in flight first cancels them ([`PAction::CancelTransfers`]) and waits for each to settle
 //! ([`PEvent::TransferDone`]/[`PEvent::TransferFailed`]) or for the drain deadline. Only then is
 //! D told `Abort`, which promises that P will not write into D's blocks again.
+//!
+//! A D that falls silent (nothing heard for `peer_timeout`) may be dead or only stalled: its
+//! requests fail as above (D is told `Abort` once their transfers settled, so a stalled D that
+//! comes back frees its blocks at once), but it is not given up for its silence; only a drain
+//! that times out gives it up.
 
 use crate::metrics::{fail_reason_name, reason_index, PMetrics};
 use crate::msg::{DecodeError, Message};
@@ -35,7 +40,7 @@ pub struct PConfig {
     pub incarnation: u64,
     /// Period of heartbeats to each peer and of liveness checks.
     pub heartbeat_interval: Nanos,
-    /// A peer silent this long is declared down.
+    /// A peer silent this long fails its requests.
     pub peer_timeout: Nanos,
     /// Scheduled → every layer sent; past it the request fails.
     pub request_timeout: Nanos,
@@ -285,6 +290,8 @@ pub struct PStats {
     /// Failed requests released at the drain deadline with transfers unsettled (D was
     /// disconnected first).
     pub drain_timeouts: u64,
+    /// Times a D with live requests fell silent for `peer_timeout` (they failed).
+    pub silences: u64,
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -1008,10 +1015,37 @@ impl PSide {
             );
         }
         for (p, for_ns) in self.peers.silent(now, self.cfg.peer_timeout) {
-            self.peer_down(p, FailReason::PeerDown, DownCause::Silent { for_ns }, now);
+            self.peer_silent(p, for_ns, now);
         }
         self.timers
             .arm(now.saturating_add(self.cfg.heartbeat_interval), Timer::Tick);
+    }
+
+    /// Fails the requests of a D silent for `for_ns` (see the module's docs), telling it: not
+    /// given up, so a stalled D that comes back frees their blocks at once. A request younger
+    /// than `peer_timeout` waits: silence is judged over a request's own life (after this
+    /// engine stalled itself, D is heard again only once its connections are made again).
+    fn peer_silent(&mut self, peer: PeerId, for_ns: Nanos, now: Nanos) {
+        let timeout = self.cfg.peer_timeout;
+        let reqs = self.peers.requests_of(peer, |r| {
+            self.reqs.get(&r).is_some_and(|r| {
+                r.state != PState::Draining && now.saturating_sub(r.created) >= timeout
+            })
+        });
+        if reqs.is_empty() {
+            return;
+        }
+        self.stats.silences += 1;
+        tracing::warn!(
+            target: "kvwire_connector",
+            peer = peer.0,
+            silent_ms = for_ns / MS,
+            requests = reqs.len(),
+            "p: D silent, its requests fail"
+        );
+        for req in reqs {
+            self.fail(req, FailReason::Timeout, true, now);
+        }
     }
 
     fn deadline(&self, r: &PReq) -> Nanos {

@@ -115,11 +115,6 @@ impl std::str::FromStr for SendMode {
 pub enum DownCause {
     /// The host reported the peer down (its connection failed, nothing listens there).
     Reported,
-    /// Nothing was heard from the peer for this long (at least `peer_timeout`).
-    Silent {
-        /// Time since the peer was last heard, ns.
-        for_ns: Nanos,
-    },
     /// The peer stayed up but never confirmed a failed request's abort within `drain_timeout`.
     DrainTimeout,
 }
@@ -128,7 +123,6 @@ impl std::fmt::Display for DownCause {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         match self {
             DownCause::Reported => f.write_str("reported down by the host"),
-            DownCause::Silent { for_ns } => write!(f, "silent for {} ms", for_ns / MS),
             DownCause::DrainTimeout => f.write_str("never confirmed an abort within drain_timeout"),
         }
     }

@@ -197,6 +197,61 @@ fn p_failure_drains_in_flight_transfers_before_release() {
 }
 
 #[test]
+fn a_silent_d_fails_its_requests_once_transfers_settle_but_is_not_given_up() {
+    let mut p = p(SendMode::Layerwise);
+    let r = RequestId(1);
+    schedule(&mut p, 1, vec![20, 21], 0);
+    from_d(
+        &mut p,
+        Message::BlockIds {
+            req: r,
+            first: 0,
+            landing: false,
+            blocks: vec![5, 6],
+        },
+        1,
+    );
+    p.handle(PEvent::LayerReady { req: r, layer: 0 }, 2)
+        .unwrap();
+    assert_eq!(transfers(&p_actions(&mut p)), vec![0]);
+    // Nothing heard from D: at the tick past peer_timeout the request fails, its transfer in
+    // flight is cancelled first; D is not disconnected.
+    let (a, now) = loop {
+        let now = p.poll_timeout().unwrap();
+        p.handle_timeout(now);
+        let a = p_actions(&mut p);
+        if a.contains(&PAction::CancelTransfers { req: r }) {
+            break (a, now);
+        }
+        assert!(now < 10 * SEC, "no failure by {now} ns");
+    };
+    assert!(now >= p.config().peer_timeout);
+    assert!(!a.iter().any(|x| matches!(
+        x,
+        PAction::ReleaseBlocks { .. } | PAction::DisconnectPeer { .. }
+    )));
+    assert_eq!(p.stats().silences, 1);
+    // The transfer settles: P's blocks go and D is told (a stalled D frees its blocks on it).
+    p.handle(PEvent::TransferFailed { req: r, layer: 0 }, now + 1)
+        .unwrap();
+    let a = p_actions(&mut p);
+    assert!(a.iter().any(|x| matches!(x, PAction::ReleaseBlocks { .. })));
+    assert!(a.iter().any(|x| matches!(
+        x,
+        PAction::Send {
+            to: D,
+            msg: Message::Abort {
+                reason: FailReason::Timeout,
+                ..
+            },
+        }
+    )));
+    assert!(!a
+        .iter()
+        .any(|x| matches!(x, PAction::DisconnectPeer { .. })));
+}
+
+#[test]
 fn p_answers_abort_for_unknown_and_fails_a_later_schedule() {
     let mut p = p(SendMode::Layerwise);
     let r = RequestId(3);

@@ -47,8 +47,11 @@ SEND_MODES = ("whole", "layerwise")
 #: Timeouts (seconds) and their defaults. The users' TTFT tail under load is 40-45 s (p99, in
 #: the study); nothing that a healthy but loaded cluster does may hit a default:
 #: * ``heartbeat_interval`` 1 s, ``peer_timeout`` 15 s: heartbeats go from the connector's own
-#:   thread, not from scheduler steps, so silence means a dead or partitioned peer; 15 s rides
-#:   out GIL stalls of a busy engine core and short network hiccups.
+#:   thread, not from scheduler steps, so silence means a dead, partitioned or stalled peer; 15 s
+#:   rides out GIL stalls of a busy engine core and short network hiccups. A silent peer's
+#:   requests fail (those whose blocks it may still write drain first), but it is not given up
+#:   for its silence: only a drain that times out tears its connection down (and on D fences
+#:   it), so a peer that was only stalled keeps serving.
 #: * ``wait_for_p_timeout`` 60 s: arrival on D until P acknowledges the request (P reports it
 #:   queued as soon as its scheduler knows it); afterwards D waits as long as P is alive.
 #: * ``request_timeout`` 600 s: arrival until every layer landed, a bound on a stuck request.
