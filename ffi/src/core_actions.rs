@@ -1,7 +1,7 @@
 //! What the connector cores ask their host to do, as typed Python objects (`kvwire.core`):
 //! one frozen class per action, fields readable by name, usable in a `match` statement.
 
-use kvwire_connector::{DAction, Message, PAction};
+use kvwire_connector::{DAction, DownCause, Message, PAction};
 use pyo3::prelude::*;
 use pyo3::types::{PyBytes, PyTuple};
 
@@ -91,8 +91,9 @@ action!(
 );
 action!(
     /// Tear the connection to this peer down so that none of its writes can land any more;
-    /// `cause` says why the core gave it up (for the log).
-    DisconnectPeer { peer: u32, cause: String }
+    /// `cause` says why the core gave it up (for the log); `reported` when the host had
+    /// reported it down (the core's own verdict otherwise: silence, a drain timeout).
+    DisconnectPeer { peer: u32, cause: String, reported: bool }
 );
 action!(
     /// P: write layer `layer` from P's blocks `src` into D's `dst` (landing slots when
@@ -154,6 +155,7 @@ pub fn d_action(py: Python<'_>, a: DAction) -> PyResult<Py<PyAny>> {
             DisconnectPeer {
                 peer: peer.0,
                 cause: cause.to_string(),
+                reported: cause == DownCause::Reported,
             },
         )?
         .into_any(),
@@ -221,6 +223,7 @@ pub fn p_action(py: Python<'_>, a: PAction) -> PyResult<Py<PyAny>> {
             DisconnectPeer {
                 peer: peer.0,
                 cause: cause.to_string(),
+                reported: cause == DownCause::Reported,
             },
         )?
         .into_any(),

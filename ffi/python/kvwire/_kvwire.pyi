@@ -540,13 +540,16 @@ class ReportFailed:
 @final
 class DisconnectPeer:
     """Tear the connection to this peer down so that none of its writes can land any more;
-    ``cause`` says why the core gave it up (for the log)."""
+    ``cause`` says why the core gave it up (for the log); ``reported`` when the host had
+    reported it down (the core's own verdict otherwise: silence, a drain timeout)."""
 
-    __match_args__ = ("peer", "cause")
+    __match_args__ = ("peer", "cause", "reported")
     @property
     def peer(self) -> int: ...
     @property
     def cause(self) -> str: ...
+    @property
+    def reported(self) -> bool: ...
 
 @final
 class Transfer:

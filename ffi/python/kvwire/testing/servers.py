@@ -119,6 +119,13 @@ class Server:
                 pass
         self._kill_group()
 
+    def pause(self) -> None:
+        """SIGSTOP to the whole process group: a server that stalls (gets no CPU) but lives."""
+        os.killpg(self.proc.pid, signal.SIGSTOP)
+
+    def resume(self) -> None:
+        os.killpg(self.proc.pid, signal.SIGCONT)
+
     def kill(self) -> None:
         """SIGKILL to the whole process group (API server, engine core, workers): a crash."""
         self._kill_group()

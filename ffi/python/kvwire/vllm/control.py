@@ -33,7 +33,7 @@ import socket
 import threading
 import time
 from collections import deque
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import kvwire
 from kvwire.vllm import envelope as env
@@ -279,6 +279,7 @@ class ControlPlane:
             except ValueError:
                 self.bad_messages += 1
                 return
+            e = replace(e, hello=h)
             self.peer_hello[e.engine_id] = h
             reached = h.get("reached_as")
             if e.kind == env.HELLO_REPLY and isinstance(reached, str):

@@ -290,7 +290,7 @@ class DRequests:
             # Nothing of that P may land any more: its workers' connections to ours are fenced
             # before the blocks the core releases next are reused.
             eid = self.engine_of_pid.get(a.peer, "")
-            self._log_given_up("P", eid or a.peer, a.cause, now)
+            self._log_given_up("P", eid or a.peer, a, now)
             addrs = list(self.control.peer_hello.get(eid, {}).get("data") or [])
             self.out_fence.extend(addrs)
             if eid in self.restarted:

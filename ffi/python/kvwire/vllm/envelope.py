@@ -32,7 +32,7 @@ from __future__ import annotations
 import hashlib
 import json
 import struct
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 MAGIC = b"KVW2"
 BUNDLE_MAGIC = b"KVWB"
@@ -68,6 +68,8 @@ class Envelope:
     incarnation: int
     control: str
     payload: bytes
+    #: A HELLO's or HELLO_REPLY's payload as parsed by the control plane that received it.
+    hello: dict | None = field(default=None, compare=False)
 
 
 def encode(kind: int, engine_id: str, incarnation: int, control: str, payload: bytes) -> bytes:

@@ -180,7 +180,7 @@ class PRequests:
             logger.warning("kvwire: request %s failed on P: %s", st.req if st else a.req, a.reason)
             self._to_workers({"op": "cancel", "key": a.req})
         elif isinstance(a, kcore.DisconnectPeer):
-            self._log_given_up("D", self.engine_of_pid.get(a.peer, a.peer), a.cause, now)
+            self._log_given_up("D", self.engine_of_pid.get(a.peer, a.peer), a, now)
             hello = self.control.peer_hello.get(self.engine_of_pid.get(a.peer, ""), {})
             self._to_workers({"op": "drop", "addrs": hello.get("data") or []})
 

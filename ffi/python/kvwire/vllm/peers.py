@@ -92,10 +92,7 @@ class PeerBook:
     def _on_hello(self, e, now: int) -> None:
         """A peer's hello or its reply to ours: its identity, layout and data addresses."""
         if e.kind == env.HELLO_REPLY:
-            try:
-                reached = env.from_json(e.payload).get("reached_as")  # this reply's, not the latest
-            except ValueError:
-                reached = None
+            reached = (e.hello or {}).get("reached_as")  # this reply's, not the latest
             if isinstance(reached, str):
                 # again here, in order: a refused dial handled just before may have unset it
                 self.control.engine_at[reached] = e.engine_id
@@ -135,7 +132,7 @@ class PeerBook:
                     logger.warning("kvwire: request %s: D at %s cannot be reached", st.req, addr)
                     st.unreachable = True
 
-    def _log_given_up(self, role: str, peer, cause: str, now: int) -> None:
+    def _log_given_up(self, role: str, peer, action, now: int) -> None:
         """A core gave a peer up (its connections are torn down, its requests failed): why, in
         the log, once for all the cores that give it up together (one per policy or send mode).
         A peer the host reported down was logged when it was reported."""
@@ -143,9 +140,9 @@ class PeerBook:
         self.given_up_at[peer] = now
         if last is not None and now - last < 1_000_000_000:
             return
-        level = logging.INFO if cause.startswith("reported") else logging.WARNING
+        level = logging.INFO if action.reported else logging.WARNING
         logger.log(level, "kvwire: %s %s given up: %s; its requests fail and its connections are torn down",
-                   role, peer, cause)
+                   role, peer, action.cause)
 
     def _check_peer(self, pid: int, hello: dict) -> None:
         theirs = hello.get("descriptor") or {}

@@ -180,6 +180,12 @@ class SchedulerSide(PeerBook, DRequests, PRequests):
         else:
             st = self.d_by_key.get(key)
             core = st.core if st is not None else None
+        if st is None:
+            # A request this side forgot: its core answers from its memory of it (an Abort of
+            # one that ended is confirmed, so the peer frees its blocks at once; without the
+            # answer it would wait out its drain and give this engine up).
+            old = self.ended.get(("p" if to_p else "d", key))
+            core = getattr(old, "core", None) if getattr(old, "pid", None) == pid else None
         if core is None:
             self._buffer_early(key, to_p, pid, e.payload, now)
             return
