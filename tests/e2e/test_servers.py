@@ -617,6 +617,50 @@ def test_blackholed_peer_costs_no_steps(cluster):
         bh.close()
 
 
+def test_p_stalled_past_peer_timeout_is_not_fenced(cluster):
+    """P's whole server stalls (SIGSTOP) while it holds an eager request's layer 1, longer than
+    D's peer_timeout: D fails the request but keeps its blocks (P has their ids and may still
+    write) until P, resumed, confirms; P is not given up for its silence, so the next request
+    from P lands (a fenced P would fail it) and equals the single instance's output."""
+    ctl = cluster.p_ctl
+    warm = prompt_of(100, 519)  # P and D know each other before P stalls
+    assert cluster.pd(warm, f"stall-warm-{ASYNC}", "eager", "layerwise")[0] == cluster.single_output(warm, 5)
+    given_up = cluster.d.log_tail(10**6).count("given up")
+    held = ctl.held(1)
+    ctl.hold(1)
+    th, res = in_thread(cluster.pd, prompt_of(LONG, 520), f"stall-{ASYNC}", "eager", "layerwise", timeout=150)
+    paused = False
+    try:
+        ctl.wait_held(1, held + 1)
+        cluster.p.pause()
+        paused = True
+
+        def draining():
+            try:
+                cluster.d.complete([5, 6, 7], 2)  # D steps, so its gauges are current
+                return cluster.d.metric("vllm:kvwire_d_requests", {"state": "draining"}) == 1.0
+            except (KeyError, OSError, ServerError):
+                return False
+
+        # D's peer_timeout (15 s) passes: the request fails, its blocks wait for P.
+        assert wait_for(draining, 90), "D did not give the stalled P's request up"
+        assert th.is_alive(), f"D answered before P confirmed: {res}"
+    finally:
+        if paused:
+            cluster.p.resume()
+        ctl.release(1)
+    th.join(200)
+    assert not th.is_alive(), "D's client still waiting"
+    assert "error" in res and "HTTP" in str(res["error"]), res
+    assert wait_for(cluster.d_idle), "D holds blocks after P confirmed"
+    assert cluster.d.log_tail(10**6).count("given up") == given_up, cluster.d.log_tail(40)
+    prompt = prompt_of(LONG, 521)
+    got, res = cluster.pd(prompt, f"after-stall-{ASYNC}", "eager", "layerwise")
+    assert "p_error" not in res, res
+    assert got == cluster.single_output(prompt, 5)
+    assert wait_for(cluster.d_idle)
+
+
 def test_p_killed_mid_request_then_restarted(cluster):
     """P's server is killed (SIGKILL to its process group) while it holds a request's layer 1:
     D's client gets an error, not a hang; D holds no block afterwards and still serves its own
