@@ -1201,7 +1201,7 @@ impl DSide {
     /// as a connection that broke while it stalled is made again).
     fn peer_silent(&mut self, peer: PeerId, for_ns: Nanos, now: Nanos) {
         let timeout = self.cfg.peer_timeout;
-        let reqs = self.peers.requests_of(peer, |r| {
+        let reqs = self.peers.failing_for_silence(peer, for_ns, "P", |r| {
             self.reqs.get(&r).is_some_and(|r| {
                 r.state != DState::Draining && now.saturating_sub(r.created) >= timeout
             })
@@ -1210,13 +1210,6 @@ impl DSide {
             return;
         }
         self.stats.silences += 1;
-        tracing::warn!(
-            target: "kvwire_connector",
-            peer = peer.0,
-            silent_ms = for_ns / MS,
-            requests = reqs.len(),
-            "d: P silent, its requests fail"
-        );
         for req in reqs {
             self.fail(req, FailReason::Timeout, true, now);
         }

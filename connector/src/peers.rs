@@ -1,6 +1,6 @@
 //! Liveness of remote engines and the memory of recently ended requests, shared by both sides.
 
-use crate::types::{IdMap, Nanos, PeerId, RequestId};
+use crate::types::{IdMap, Nanos, PeerId, RequestId, MS};
 use std::collections::{BTreeMap, BTreeSet, VecDeque};
 
 /// What one side knows about one remote engine.
@@ -81,15 +81,29 @@ impl Peers {
         Heard::Alive
     }
 
-    /// The live requests of `peer` that `keep` selects, in order.
-    pub(crate) fn requests_of(
+    /// The live requests of `peer`, silent for `for_ns`, that `fail` selects (in order), logged
+    /// once as failing for that silence when there are any; `who` names the peer's role.
+    pub(crate) fn failing_for_silence(
         &self,
         peer: PeerId,
-        keep: impl Fn(RequestId) -> bool,
+        for_ns: Nanos,
+        who: &'static str,
+        fail: impl Fn(RequestId) -> bool,
     ) -> Vec<RequestId> {
-        self.map.get(&peer).map_or_else(Vec::new, |p| {
-            p.reqs.iter().copied().filter(|&r| keep(r)).collect()
-        })
+        let reqs: Vec<RequestId> = self.map.get(&peer).map_or_else(Vec::new, |p| {
+            p.reqs.iter().copied().filter(|&r| fail(r)).collect()
+        });
+        if !reqs.is_empty() {
+            tracing::warn!(
+                target: "kvwire_connector",
+                peer = peer.0,
+                role = who,
+                silent_ms = for_ns / MS,
+                requests = reqs.len(),
+                "peer silent, its requests fail"
+            );
+        }
+        reqs
     }
 
     /// Marks `peer` down; returns its live requests (to fail), or `None` if it was already down.

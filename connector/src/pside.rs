@@ -1027,7 +1027,7 @@ impl PSide {
     /// engine stalled itself, D is heard again only once its connections are made again).
     fn peer_silent(&mut self, peer: PeerId, for_ns: Nanos, now: Nanos) {
         let timeout = self.cfg.peer_timeout;
-        let reqs = self.peers.requests_of(peer, |r| {
+        let reqs = self.peers.failing_for_silence(peer, for_ns, "D", |r| {
             self.reqs.get(&r).is_some_and(|r| {
                 r.state != PState::Draining && now.saturating_sub(r.created) >= timeout
             })
@@ -1036,13 +1036,6 @@ impl PSide {
             return;
         }
         self.stats.silences += 1;
-        tracing::warn!(
-            target: "kvwire_connector",
-            peer = peer.0,
-            silent_ms = for_ns / MS,
-            requests = reqs.len(),
-            "p: D silent, its requests fail"
-        );
         for req in reqs {
             self.fail(req, FailReason::Timeout, true, now);
         }

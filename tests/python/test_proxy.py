@@ -220,17 +220,24 @@ def test_a_silent_d_times_out_in_bounded_time(make):
     assert wait_for(lambda: d.cancelled == 1)
 
 
+def hang_up_after_the_first_token(port, max_tokens):
+    """A streamed completion through the proxy at ``port`` whose client hangs up once D's first
+    token came through."""
+    c = http.client.HTTPConnection("127.0.0.1", port, timeout=WAIT_S)
+    c.request("POST", "/v1/completions",
+              body=json.dumps({"prompt": [1, 2], "max_tokens": max_tokens, "stream": True}))
+    r = c.getresponse()
+    assert r.status == 200
+    assert b"token_ids" in r.fp.readline() + r.fp.readline()
+    c.sock.close()
+    c.close()
+
+
 def test_client_gone_mid_stream_closes_p_and_d(make):
     backends, proxy = make
     p, d = backends("hang", "hold")
     px = proxy(["--prefill", spec(p, control="h:1"), "--decode", spec(d, control="h:2")])
-    c = http.client.HTTPConnection("127.0.0.1", px.port, timeout=WAIT_S)
-    c.request("POST", "/v1/completions", body=json.dumps({"prompt": [1, 2], "max_tokens": 3, "stream": True}))
-    r = c.getresponse()
-    assert r.status == 200
-    assert b"token_ids" in r.fp.readline() + r.fp.readline()  # D's first token came through
-    c.sock.close()
-    c.close()
+    hang_up_after_the_first_token(px.port, 3)
     assert wait_for(lambda: d.cancelled == 1 and p.cancelled == 1), (d.cancelled, p.cancelled)
     assert wait_for(lambda: len(px.record_lines()) == 1)
     assert px.record_lines()[0]["status"] == 499
@@ -293,13 +300,7 @@ def test_client_gone_seen_at_a_write_is_the_clients_not_ds(make, tmp_path):
     px = InProcessProxy(["--health-interval", "3600", "--prefill", spec(p, control="h:1"),
                          "--decode", spec(d, control="h:2")], tmp_path)
     try:
-        c = http.client.HTTPConnection("127.0.0.1", px.port, timeout=WAIT_S)
-        c.request("POST", "/v1/completions", body=json.dumps({"prompt": [1, 2], "max_tokens": 200, "stream": True}))
-        r = c.getresponse()
-        assert r.status == 200
-        assert b"token_ids" in r.fp.readline() + r.fp.readline()  # D's first token came through
-        c.sock.close()
-        c.close()
+        hang_up_after_the_first_token(px.port, 200)
         d.release()  # D streams the rest: the proxy's writes to the gone client fail
         assert wait_for(lambda: len(px.record_lines()) == 1)
         (rec,) = px.record_lines()

@@ -25,6 +25,28 @@ fn transfers(a: &[PAction]) -> Vec<u16> {
         .collect()
 }
 
+/// D's block ids (5, 6) for `r`, at `now`.
+fn block_ids(p: &mut PSide, r: RequestId, now: Nanos) {
+    from_d(
+        p,
+        Message::BlockIds {
+            req: r,
+            first: 0,
+            landing: false,
+            blocks: vec![5, 6],
+        },
+        now,
+    );
+}
+
+/// A layerwise P with request 1 scheduled (blocks 20, 21) and D's block ids at t = 1.
+fn layerwise_with_block_ids() -> (PSide, RequestId) {
+    let mut p = p(SendMode::Layerwise);
+    schedule(&mut p, 1, vec![20, 21], 0);
+    block_ids(&mut p, RequestId(1), 1);
+    (p, RequestId(1))
+}
+
 #[test]
 fn layerwise_holds_layers_until_block_ids_then_streams() {
     let mut p = p(SendMode::Layerwise);
@@ -43,16 +65,7 @@ fn layerwise_holds_layers_until_block_ids_then_streams() {
     p.handle(PEvent::LayerReady { req: r, layer: 1 }, 2)
         .unwrap();
     assert!(transfers(&p_actions(&mut p)).is_empty());
-    from_d(
-        &mut p,
-        Message::BlockIds {
-            req: r,
-            first: 0,
-            landing: false,
-            blocks: vec![5, 6],
-        },
-        3,
-    );
+    block_ids(&mut p, r, 3);
     let a = p_actions(&mut p);
     assert_eq!(transfers(&a), vec![0, 1]);
     assert!(a.iter().any(|x| matches!(x, PAction::Transfer { src, dst, .. } if src[..] == [20, 21] && dst[..] == [5, 6])));
@@ -137,19 +150,7 @@ fn whole_mode_sends_after_prefill_only() {
 
 #[test]
 fn p_failure_drains_in_flight_transfers_before_release() {
-    let mut p = p(SendMode::Layerwise);
-    let r = RequestId(1);
-    schedule(&mut p, 1, vec![20, 21], 0);
-    from_d(
-        &mut p,
-        Message::BlockIds {
-            req: r,
-            first: 0,
-            landing: false,
-            blocks: vec![5, 6],
-        },
-        1,
-    );
+    let (mut p, r) = layerwise_with_block_ids();
     p.handle(PEvent::LayerReady { req: r, layer: 0 }, 2)
         .unwrap();
     p.handle(PEvent::LayerReady { req: r, layer: 1 }, 2)
@@ -198,19 +199,7 @@ fn p_failure_drains_in_flight_transfers_before_release() {
 
 #[test]
 fn a_silent_d_fails_its_requests_once_transfers_settle_but_is_not_given_up() {
-    let mut p = p(SendMode::Layerwise);
-    let r = RequestId(1);
-    schedule(&mut p, 1, vec![20, 21], 0);
-    from_d(
-        &mut p,
-        Message::BlockIds {
-            req: r,
-            first: 0,
-            landing: false,
-            blocks: vec![5, 6],
-        },
-        1,
-    );
+    let (mut p, r) = layerwise_with_block_ids();
     p.handle(PEvent::LayerReady { req: r, layer: 0 }, 2)
         .unwrap();
     assert_eq!(transfers(&p_actions(&mut p)), vec![0]);
