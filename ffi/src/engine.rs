@@ -368,7 +368,8 @@ impl PyNotification {
 /// A kvwire transfer engine.
 ///
 /// `Engine(listen="127.0.0.1:0", secret=None, transport="auto", lanes=4, slice_size=1 MiB,
-/// deadline=10.0, connect_timeout=5.0)`.
+/// deadline=10.0, connect_timeout=5.0, rdma_near=None)`; `rdma_near` is the PCI address of the
+/// device whose memory the engine moves (its GPU): RDMA then uses the NICs nearest it.
 #[pyclass(name = "Engine", module = "kvwire", frozen)]
 pub struct PyEngine {
     pub(crate) engine: Engine,
@@ -377,7 +378,7 @@ pub struct PyEngine {
 #[pymethods]
 impl PyEngine {
     #[new]
-    #[pyo3(signature = (listen="127.0.0.1:0", secret=None, transport="auto", lanes=None, slice_size=None, deadline=None, connect_timeout=None))]
+    #[pyo3(signature = (listen="127.0.0.1:0", secret=None, transport="auto", lanes=None, slice_size=None, deadline=None, connect_timeout=None, rdma_near=None))]
     #[allow(clippy::too_many_arguments)]
     fn new(
         py: Python<'_>,
@@ -388,6 +389,7 @@ impl PyEngine {
         slice_size: Option<usize>,
         deadline: Option<f64>,
         connect_timeout: Option<f64>,
+        rdma_near: Option<String>,
     ) -> PyResult<Self> {
         let mut cfg = EngineConfig {
             listen: parse_addr(listen)?,
@@ -413,6 +415,9 @@ impl PyEngine {
         }
         if let Some(d) = connect_timeout {
             cfg.connect_timeout = secs("connect_timeout", d)?;
+        }
+        if let Some(n) = rdma_near {
+            cfg.rdma_near = Some(n);
         }
         let engine = py.detach(|| Engine::new(cfg)).map_err(to_py)?;
         Ok(PyEngine { engine })

@@ -350,3 +350,20 @@ def test_gil_released_while_waiting_for_batch(engine_peer):
     assert got["stats"].bytes == 32 * MiB
     assert peer.call("notification", 10.0) == b"gil"
     assert peer.call("sha", "dst") == sha(data)
+
+
+def test_rdma_near_is_accepted_without_rdma():
+    # The data engine of a vLLM worker is told which PCI device (its GPU) it serves; with no
+    # RDMA device here the engine still starts and moves bytes over tcp/shm.
+    a = kvwire.Engine(rdma_near="0000:1b:00.0")
+    b = kvwire.Engine(rdma_near="")
+    dst = a.alloc(4096, "wo")
+    src = b.alloc(4096, "local")
+    data = pattern(4096, "near")
+    b.local_write(src, 0, data)
+    peer = b.connect(a.listen_addr)
+    b.write(peer, [(src, 0, dst.id, 0, 4096)]).wait()
+    assert a.local_read(dst, 0, 4096) == data
+    assert b.local_read(src, 0, 4096) == data
+    with pytest.raises(TypeError):
+        kvwire.Engine(rdma_near=5)

@@ -674,3 +674,19 @@ def defer_landing(side):
 
     side.worker._worker.stager.dev.copy = copy
     return made
+
+
+def test_rdma_near_option_picks_the_workers_gpu():
+    from kvwire.vllm import worker
+    from kvwire.vllm.options import Options
+
+    assert Options.parse({}).rdma_near == "auto"
+    assert Options.parse({"rdma_near": ""}).rdma_near == ""
+    assert worker.rdma_near("") is None
+    assert worker.rdma_near("0000:1b:00.0") == "0000:1b:00.0"
+    assert worker.rdma_near("auto") == worker.gpu_pci_address()
+    if torch.cuda.is_available():
+        addr = worker.gpu_pci_address()
+        assert addr is not None and len(addr) == 12 and addr[4] == ":" and addr[7] == ":", addr
+    else:
+        assert worker.gpu_pci_address() is None

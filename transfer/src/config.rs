@@ -13,8 +13,10 @@ pub(crate) const WAIT_SPIN_ENV: &str = "KVWIRE_WAIT_SPIN_US";
 pub(crate) const PREFER_RDMA_ENV: &str = "KVWIRE_PREFER_RDMA";
 /// Environment variable of [`EngineConfig::rdma_device_fallback`] (a name or a comma list).
 pub(crate) const RDMA_DEVICE_ENV: &str = "KVWIRE_RDMA_DEVICE";
+/// Environment variable of [`EngineConfig::rdma_near`] (a PCI address or sysfs path).
+const RDMA_NEAR_ENV: &str = "KVWIRE_RDMA_NEAR";
 /// Environment variable of [`EngineConfig::rdma_signal_every`].
-pub(crate) const RDMA_SIGNAL_ENV: &str = "KVWIRE_RDMA_SIGNAL_EVERY";
+const RDMA_SIGNAL_ENV: &str = "KVWIRE_RDMA_SIGNAL_EVERY";
 /// Environment variable of [`EngineConfig::rdma_poll`] (µs).
 pub(crate) const RDMA_POLL_ENV: &str = "KVWIRE_RDMA_POLL_US";
 /// Environment variable of [`EngineConfig::ibverbs_path`] (the same one
@@ -73,24 +75,28 @@ pub struct EngineConfig {
     /// [`EngineConfig::rdma_devices`] nor [`EngineConfig::rdma_device`] names one. `None` (or
     /// a blank list) = every device with an active port. Environment: `KVWIRE_RDMA_DEVICE`.
     pub rdma_device_fallback: Option<String>,
-    /// RDMA: signal one work request in this many of a chain (the last one of every chain is
-    /// always signalled); capped at the queue pair depth (256). `None` (or 0) = 1: every work
-    /// request. Environment: `KVWIRE_RDMA_SIGNAL_EVERY` (a value that is not a number is
-    /// ignored, with a warning).
+    /// The PCI device whose memory this engine moves, usually its GPU: a PCI address
+    /// (`0000:1b:00.0`; an 8-digit domain as `nvidia-smi` prints it is accepted) or a sysfs path.
+    /// When no RDMA device is named, the engine opens only the active devices nearest it in the
+    /// PCI tree (the most leading sysfs path components in common: a NIC under the GPU's PCIe
+    /// switch before one under the same root port, before one elsewhere) instead of every
+    /// active device. `None` (or blank) = every active device; an address sysfs does not know
+    /// is logged and treated as `None`. Environment: `KVWIRE_RDMA_NEAR`.
+    pub rdma_near: Option<String>,
+    /// RDMA: signal one WRITE in this many of a chain (every READ and the last work request of
+    /// every chain are always signalled); capped at the queue pair depth (256). `None` (or 0) =
+    /// 16; 1 = every work request. Environment: `KVWIRE_RDMA_SIGNAL_EVERY` (a value that is not
+    /// a number is ignored, with a warning).
     ///
-    /// Values above 1 are experimental and not safe: with 16, in-VM runs of the multi-device
-    /// suite saw READ batches complete with one 64 KiB slice not landed (2 of 5 runs, 1 of 4
-    /// with the checks below; always READs over two devices, while WRITEs and single-device
-    /// READs always verified). The accounting never infers success from an error path and
-    /// rejects completions from a QP a work request has left (unit-tested), which did not
-    /// remove the failure; a traced run showed every covered work request posted on the
-    /// signalled one's QP before it. Since found with every work request signalled too
-    /// (`tests/rdma_read_stress_vm.rs`): rxe (Linux 6.1) reports a READ *successful* whose data
-    /// never landed and moves its QP to the error state (the rest of the QP flushes, with no
-    /// error completion), when packets are dropped on the veth pair under load. The engine
-    /// posts such a work request again while its batch is in flight; a batch that already
-    /// completed cannot be repaired (logged). Off until proven on hardware with a verbs-level
-    /// probe (unsignalled READ chains, data checked at the signalled completion).
+    /// A signalled WRITE's successful completion retires the unsignalled ones before it on its
+    /// queue pair (RC completes in order, and a failed or flushed work request always reports
+    /// on its own); when it fails or is flushed, the ones it covers are posted again, never
+    /// inferred done. READs stay signalled: rxe (Linux 6.1) reports a READ *successful* whose
+    /// data never landed and moves its QP to the error state without an error completion when
+    /// packets are dropped under load (`tests/rdma_read_stress_vm.rs`); the engine posts the
+    /// READ the QP reported last again, which needs every READ's own completion. (When READs
+    /// too were signalled one in 16, in-VM runs over two devices saw READ batches complete
+    /// with a slice unwritten; WRITEs always verified.)
     pub rdma_signal_every: Option<u64>,
     /// RDMA: how long a completion thread keeps polling its completion queue after a
     /// completion while work requests are still on the NIC, before it arms the queue and
@@ -124,6 +130,7 @@ impl Default for EngineConfig {
             wait_spin: None,
             prefer_rdma: None,
             rdma_device_fallback: None,
+            rdma_near: None,
             rdma_signal_every: None,
             rdma_poll: None,
             ibverbs_path: None,
@@ -144,6 +151,7 @@ impl EngineConfig {
                 .map(Duration::from_micros),
             prefer_rdma: std::env::var(PREFER_RDMA_ENV).ok().map(|v| v == "1"),
             rdma_device_fallback: std::env::var(RDMA_DEVICE_ENV).ok(),
+            rdma_near: std::env::var(RDMA_NEAR_ENV).ok(),
             rdma_signal_every: number_knob(RDMA_SIGNAL_ENV),
             rdma_poll: number_knob(RDMA_POLL_ENV).map(Duration::from_micros),
             ibverbs_path: match std::env::var_os(IBVERBS_PATH_ENV) {

@@ -776,6 +776,111 @@ fn multi_device(d0: &str, d1: &str) {
     println!("MULTI-DEVICE-OK");
 }
 
+/// Completion threads of this process, by device name (`rdma-cq-<device>`).
+fn cq_threads() -> Vec<String> {
+    let mut v: Vec<String> = std::fs::read_dir("/proc/self/task")
+        .expect("/proc/self/task")
+        .filter_map(|t| std::fs::read_to_string(t.ok()?.path().join("comm")).ok())
+        .map(|c| c.trim().to_string())
+        .filter(|c| c.starts_with("rdma-cq-"))
+        .collect();
+    v.sort();
+    v
+}
+
+/// Waits (bounded) until the completion threads of devices no engine holds any more have
+/// ended (each ends at its next wake-up once its last engine is gone).
+fn settled_cq_threads(want: &[String]) -> Vec<String> {
+    let t0 = Instant::now();
+    loop {
+        let now = cq_threads();
+        if now == want || t0.elapsed() > Duration::from_secs(20) {
+            return now;
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    }
+}
+
+/// One process, several engines on the same two devices (as a vLLM instance runs a data
+/// engine per worker): each device is opened once (device contexts counted by the verbs
+/// layer), one completion thread per device whatever the number of engines, and the engines
+/// still move every byte right between each other over the shared devices' queues.
+fn shared_devices(d0: &str, d1: &str) {
+    let first = engine_sliced(&[d0, d1], TransportKind::Rdma, 2, 64 << 10);
+    let want = {
+        let mut v = vec![format!("rdma-cq-{d0}"), format!("rdma-cq-{d1}")];
+        v.sort();
+        v
+    };
+    assert_eq!(
+        settled_cq_threads(&want),
+        want,
+        "one completion thread per device"
+    );
+    assert_eq!(
+        kvwire_transfer::verbs::contexts_open(),
+        2,
+        "two devices, two contexts"
+    );
+    let opened = kvwire_transfer::verbs::contexts_opened();
+    let more: Vec<Engine> = (0..3)
+        .map(|_| engine_sliced(&[d0, d1], TransportKind::Rdma, 2, 64 << 10))
+        .collect();
+    assert_eq!(
+        kvwire_transfer::verbs::contexts_opened(),
+        opened,
+        "engines 2-4 opened no device context of their own"
+    );
+    assert_eq!(kvwire_transfer::verbs::contexts_open(), 2);
+    assert_eq!(cq_threads(), want, "no completion thread per engine");
+    // Traffic between engines that share both devices (completions of both ends on the same
+    // queues): a ring of writes, every byte checked at the target.
+    let all: Vec<&Engine> = std::iter::once(&first).chain(more.iter()).collect();
+    let dsts: Vec<RegionHandle> = all
+        .iter()
+        .map(|e| e.alloc_region(4 << 20, Access::WriteOnly).expect("dst"))
+        .collect();
+    for (i, e) in all.iter().enumerate() {
+        let j = (i + 1) % all.len();
+        let src = e.alloc_region(4 << 20, Access::Local).expect("src");
+        let data = pattern(900 + i as u64, (3 << 20) + 11);
+        e.local_write(src, 0, &data).expect("fill");
+        let peer = e.connect(all[j].listen_addr()).expect("connect");
+        assert_eq!(peer.transport(), TransportKind::Rdma);
+        let op = Op {
+            local: src,
+            local_offset: 0,
+            remote: all[j].region_id(dsts[j]),
+            remote_offset: 3,
+            len: data.len() as u64,
+        };
+        e.write(&peer, &[op], None, None)
+            .expect("submit")
+            .wait()
+            .expect("write between engines sharing devices");
+        check_eq(
+            &format!("engine {i} -> engine {j}"),
+            &read_back(all[j], dsts[j], 3, data.len()),
+            &data,
+        );
+    }
+    assert_eq!(kvwire_transfer::verbs::contexts_opened(), opened);
+    drop(dsts);
+    drop(more);
+    drop(first);
+    assert_eq!(
+        settled_cq_threads(&[]),
+        Vec::<String>::new(),
+        "threads end with the last engine"
+    );
+    assert_eq!(
+        kvwire_transfer::verbs::contexts_open(),
+        0,
+        "devices closed with the last engine"
+    );
+    println!("SHARED-DEVICES-OK: 4 engines, 2 device contexts, 2 completion threads");
+}
+
 fn in_guest() {
     let d0 = std::env::var("KVWIRE_RXE_DEV0").unwrap_or_else(|_| "rxe0".into());
     let d1 = std::env::var("KVWIRE_RXE_DEV1").unwrap_or_else(|_| "rxe1".into());
@@ -798,6 +903,7 @@ fn in_guest() {
     read_deadline(&p);
     drop(p);
     multi_device(d0, d1);
+    shared_devices(d0, d1);
     // Auto between two engines of one host picks shm unless told otherwise.
     {
         let a = engine(d0, TransportKind::Auto, 2);

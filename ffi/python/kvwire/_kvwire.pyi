@@ -127,6 +127,7 @@ class Engine:
         slice_size: int | None = None,
         deadline: float | None = None,
         connect_timeout: float | None = None,
+        rdma_near: str | None = None,
     ) -> Engine: ...
     @property
     def listen_addr(self) -> str: ...

@@ -56,7 +56,7 @@ impl Engine {
             vec![Box::new(TcpTransport), Box::new(ShmTransport::new())];
         // Only engines that may use RDMA open a device (Tcp/Shm engines never offer it).
         if matches!(cfg.transport, TransportKind::Rdma | TransportKind::Auto) {
-            match RdmaTransport::open(&cfg, &threads) {
+            match RdmaTransport::open(&cfg) {
                 Ok(Some(t)) => transports.push(Box::new(t)),
                 Ok(None) if cfg.transport == TransportKind::Rdma => {
                     return Err(Error::Unsupported(

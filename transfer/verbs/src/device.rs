@@ -3,6 +3,7 @@
 use std::fs;
 use std::path::{Path, PathBuf};
 use std::ptr::NonNull;
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::Arc;
 
 use crate::error::VerbsError;
@@ -287,8 +288,25 @@ unsafe impl Send for ContextInner {}
 // SAFETY: see `Send`; concurrent verbs on one context are allowed by libibverbs.
 unsafe impl Sync for ContextInner {}
 
+/// Device contexts of this process open now, and opened since it started (every
+/// [`Context`] counts once, whichever library loaded it): what a test reads to check that a
+/// process opens each device once, however many engines use it.
+static CONTEXTS_OPEN: AtomicUsize = AtomicUsize::new(0);
+static CONTEXTS_OPENED: AtomicU64 = AtomicU64::new(0);
+
+/// Device contexts open in this process now.
+pub fn contexts_open() -> usize {
+    CONTEXTS_OPEN.load(Ordering::Acquire)
+}
+
+/// Device contexts opened in this process since it started (closed ones included).
+pub fn contexts_opened() -> u64 {
+    CONTEXTS_OPENED.load(Ordering::Acquire)
+}
+
 impl Drop for ContextInner {
     fn drop(&mut self) {
+        CONTEXTS_OPEN.fetch_sub(1, Ordering::AcqRel);
         if let Ok(close) = &self.lib.raw.ibv_close_device {
             // SAFETY: every child resource holds an `Arc<ContextInner>`, so none is alive any
             // more; the context was opened by `ibv_open_device` and is closed exactly once.
@@ -347,6 +365,8 @@ impl Context {
             max_mr_size: attr.max_mr_size,
             phys_port_cnt: attr.phys_port_cnt,
         };
+        CONTEXTS_OPEN.fetch_add(1, Ordering::AcqRel);
+        CONTEXTS_OPENED.fetch_add(1, Ordering::AcqRel);
         Ok(Context {
             inner: Arc::new(ContextInner {
                 lib,

@@ -61,7 +61,10 @@ mod qp;
 mod sys;
 
 pub use cq::{Completion, CompletionOp, Cq};
-pub use device::{Context, DeviceInfo, Gid, GidKind, GidSelection, LinkLayer, Mtu, PortInfo};
+pub use device::{
+    contexts_open, contexts_opened, Context, DeviceInfo, Gid, GidKind, GidSelection, LinkLayer,
+    Mtu, PortInfo,
+};
 pub use error::{VerbsError, WcError, WcStatus};
 pub use loader::{Verbs, DEFAULT_LIBRARY, LIBRARY_ENV};
 pub use memory::{Access, Mr, Pd, RegisteredBuffer, RemoteSlice, Sge};

@@ -11,6 +11,10 @@ see :data:`TIMEOUTS`):
   default: this host's address towards the peer), ``secret``, ``transport`` (of the data
   engines; control messages always go over TCP, so no control engine opens an RDMA device),
   ``layers``.
+* ``rdma_near``: the PCI address of the device whose memory a worker's data engine moves; its
+  RDMA transport then opens only the NICs nearest it in the PCI tree (``auto``, the default:
+  the worker's CUDA device when it has one, else every active NIC; ``""``: every active NIC).
+  Named NICs (``KVWIRE_RDMA_DEVICE``) win over it.
 * ``land_pool_blocks``: slots of D's landing pool, per layer, in host memory (default 1024
   with policy ``land``, else 0; set it to let requests override the policy to ``land``).
 * ``timeline_path``: a directory; each engine and role writes its timeline there as JSON lines
@@ -115,6 +119,7 @@ class Options:
     advertise_host: str | None
     secret: bytes | None
     transport: str
+    rdma_near: str
     land_pool_blocks: int
     timeline_path: str | None
     timeline_max_bytes: int
@@ -151,6 +156,7 @@ class Options:
             advertise_host=extra.get("advertise_host") or None,
             secret=secret.encode() if isinstance(secret, str) else secret,
             transport=str(extra.get("transport", "auto")),
+            rdma_near=str(extra.get("rdma_near", "auto")),
             land_pool_blocks=_int(extra, "land_pool_blocks", 1024 if policy == "land" else 0),
             timeline_path=extra.get("timeline_path") or None,
             timeline_max_bytes=int(float(extra.get("timeline_max_mb", 64)) * (1 << 20)),

@@ -69,6 +69,27 @@ def rank_listen(data_listen: str, rank: int) -> str:
     return f"{host}:{port + rank}"
 
 
+def gpu_pci_address() -> str | None:
+    """The PCI address (``0000:1b:00.0``) of this process's current CUDA device, or ``None``
+    (no CUDA, or torch does not say)."""
+    try:
+        import torch
+
+        if not torch.cuda.is_available():
+            return None
+        p = torch.cuda.get_device_properties(torch.cuda.current_device())
+        return f"{p.pci_domain_id:04x}:{p.pci_bus_id:02x}:{p.pci_device_id:02x}.0"
+    except Exception:  # no torch, no driver, an older torch without the fields
+        return None
+
+
+def rdma_near(option: str) -> str | None:
+    """What the data engine is told to be near (``rdma_near`` of the extra config)."""
+    if option == "auto":
+        return gpu_pci_address()
+    return option or None
+
+
 @dataclass
 class KvwireHandshake(compat.KVConnectorHandshakeMetadata):
     """Worker -> scheduler at start-up (vLLM's handshake hooks): where this TP rank's data
@@ -112,7 +133,8 @@ class WorkerSide:
         if not 0 <= self.rank < self.tp:
             raise kvwire.InvalidArgumentError(f"tensor parallel rank {self.rank} out of range for size {self.tp}")
         self.listen = rank_listen(o.data_listen, self.rank)
-        self.engine = kvwire.Engine(listen=self.listen, secret=o.secret, transport=o.transport)
+        self.engine = kvwire.Engine(listen=self.listen, secret=o.secret, transport=o.transport,
+                                    rdma_near=rdma_near(o.rdma_near))
         # Its own small engine for the messages with its scheduler (destinations in, reports
         # out), so the data engine carries KV only. Control engines run TCP: they open no RDMA
         # device.

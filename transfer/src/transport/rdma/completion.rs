@@ -1,14 +1,14 @@
 //! Completions: a peer's work requests completed (or failed, or flushed) and what follows
-//! (re-posting, failing or finishing batches), and the per-device completion threads.
+//! (re-posting, failing or finishing batches).
 
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use kvwire_verbs::{VerbsError, WcStatus};
+use kvwire_verbs::WcStatus;
 
 use super::signal::{completion_is_current, covered_outcome};
-use super::state::{BatchCtx, PeerShared, Shared, WrEntry, WR_TRACE};
+use super::state::{BatchCtx, PeerShared, WrEntry, WR_TRACE};
 use crate::error::Error;
 
 /// How long a failing READ batch waits for its flushed WRs before the failure is published.
@@ -252,64 +252,6 @@ impl PeerShared {
         }
         if b.on_nic.load(Ordering::Acquire) > 0 {
             tracing::warn!("rdma: READs of a failed batch did not flush in time");
-        }
-    }
-}
-
-pub(super) fn completion_loop(sh: Arc<Shared>, dev: usize) {
-    let mut out = Vec::with_capacity(64);
-    let Some(d) = sh.devs.get(dev).cloned() else {
-        return;
-    };
-    // After a round that reaped completions, and while WRs of this device are still on the
-    // NIC, poll the CQ for up to `sh.poll` before arming it and sleeping on the channel: the
-    // next completion is usually that close, and the sleep/wake-up costs more. Never while
-    // idle: a round that reaped nothing (the wait timed out) disables the window.
-    let mut active = false;
-    while !sh.stop.load(Ordering::Acquire) {
-        out.clear();
-        if active && !sh.poll.is_zero() && d.inflight.load(Ordering::Acquire) > 0 {
-            let t0 = Instant::now();
-            loop {
-                match d.cq.poll(&mut out, 64) {
-                    Ok(0) => {}
-                    Ok(_) => break,
-                    Err(e) => {
-                        tracing::warn!(device = %d.name, error = %e, "rdma completion queue poll failed");
-                        break;
-                    }
-                }
-                if t0.elapsed() >= sh.poll || d.inflight.load(Ordering::Acquire) == 0 {
-                    break;
-                }
-                std::hint::spin_loop();
-            }
-        }
-        if out.is_empty() {
-            match d.cq.wait(&mut out, 64, Duration::from_millis(200)) {
-                Ok(_) => {}
-                Err(VerbsError::Timeout(_)) => {
-                    active = false;
-                    continue;
-                }
-                Err(e) => {
-                    tracing::warn!(device = %d.name, error = %e, "rdma completion queue failed");
-                    std::thread::sleep(Duration::from_millis(50));
-                    active = false;
-                    continue;
-                }
-            }
-        }
-        active = !out.is_empty();
-        for c in out.drain(..) {
-            let key = (c.wr_id >> 32) as u32;
-            let peer = sh.peers.lock().get(&key).and_then(|w| w.upgrade());
-            let Some(p) = peer else { continue };
-            p.complete(
-                c.wr_id,
-                c.qp_num,
-                c.result.map(|_| ()).map_err(|e| e.status),
-            );
         }
     }
 }

@@ -2,7 +2,8 @@
 //! ([`DevQp`], counted against the device's completion queue budget); which devices to open and
 //! how the devices of two engines pair up.
 
-use std::sync::atomic::{AtomicUsize, Ordering};
+use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::Arc;
 
 use kvwire_verbs::{Context, Cq, GidSelection, LinkLayer, Mtu, Pd, Qp, QpCaps, Verbs, VerbsError};
@@ -20,7 +21,6 @@ pub(super) const QP_DEPTH: u32 = 256;
 const CQ_ENTRIES: u32 = 65536;
 
 pub(super) struct Dev {
-    pub(super) index: usize,
     pub(super) name: String,
     pub(super) _ctx: Context,
     pub(super) pd: Pd,
@@ -35,6 +35,30 @@ pub(super) struct Dev {
     /// WRs posted on this device's QPs and not completed yet (a hint for the completion
     /// thread's poll window).
     pub(super) inflight: Arc<AtomicUsize>,
+}
+
+/// A device opened for this process, shared by the engines that use it.
+pub(super) struct Nic {
+    pub(super) dev: Arc<Dev>,
+    /// The completion thread's poll window in µs: the largest any engine using the device
+    /// asked for.
+    pub(super) poll_us: Arc<AtomicU64>,
+    pub(super) stop: Arc<AtomicBool>,
+}
+
+impl std::ops::Deref for Nic {
+    type Target = Dev;
+    fn deref(&self) -> &Dev {
+        &self.dev
+    }
+}
+
+impl Drop for Nic {
+    fn drop(&mut self) {
+        // The last engine using the device let go: the completion thread ends at its next
+        // wake-up and drops its reference, which closes the device.
+        self.stop.store(true, Ordering::Release);
+    }
 }
 
 /// A QP of a device, counted against the device's QP budget while it lives (every QP's
@@ -82,8 +106,8 @@ impl Dev {
 }
 
 impl Dev {
-    /// Opens device `name` (port 1 must be active) as device `index` of the engine.
-    pub(super) fn open(verbs: &Verbs, name: &str, index: usize) -> Result<Dev, VerbsError> {
+    /// Opens device `name` (port 1 must be active); see `nics` for the one place that does.
+    pub(super) fn open(verbs: &Verbs, name: &str) -> Result<Dev, VerbsError> {
         let ctx = verbs.open(name)?;
         let port = ctx.query_port(1)?;
         if !port.active {
@@ -96,7 +120,6 @@ impl Dev {
         let cq_entries = CQ_ENTRIES.min(ctx.max_cqe().max(1));
         let cq = ctx.create_cq(cq_entries)?;
         Ok(Dev {
-            index,
             name: name.to_string(),
             pd,
             cq,
@@ -159,6 +182,58 @@ pub(super) fn wanted_devices(cfg: &EngineConfig) -> Option<Vec<String>> {
         .as_deref()
         .map(device_list)
         .filter(|v| !v.is_empty())
+}
+
+/// The sysfs path of the PCI device `near` names: a sysfs path, or a PCI address
+/// (`0000:1b:00.0`, or with the 8-digit domain `nvidia-smi` prints), looked up under `bus`
+/// (`/sys/bus/pci/devices`). `None` when sysfs does not know it.
+pub(super) fn pci_sysfs_path(near: &str, bus: &Path) -> Option<PathBuf> {
+    let near = near.trim();
+    if near.is_empty() {
+        return None;
+    }
+    if near.starts_with('/') {
+        return std::fs::canonicalize(near).ok();
+    }
+    let mut addr = near.to_ascii_lowercase();
+    // "00000000:1b:00.0" -> "0000:1b:00.0"
+    if let Some((dom, rest)) = addr.split_once(':') {
+        if dom.len() == 8 && dom.starts_with("0000") {
+            addr = format!("{}:{rest}", &dom[4..]);
+        }
+    }
+    std::fs::canonicalize(bus.join(addr)).ok()
+}
+
+/// Devices grouped by how near they sit to `near` in the PCI tree, nearest group first: the
+/// more leading components a device's sysfs path shares with `near`'s, the nearer (under the
+/// same PCIe switch before the same root port, before the same root complex). Devices without
+/// a PCI path come last. Each group keeps the order of `devs`.
+pub(super) fn nearness_groups(near: &Path, devs: &[(String, Option<PathBuf>)]) -> Vec<Vec<String>> {
+    let common = |p: &Path| {
+        near.components()
+            .zip(p.components())
+            .take_while(|(a, b)| a == b)
+            .count()
+    };
+    let mut scored: Vec<(usize, &String)> = devs
+        .iter()
+        .map(|(name, path)| (path.as_deref().map_or(0, common), name))
+        .collect();
+    // Stable: equal scores keep the order of `devs`.
+    scored.sort_by_key(|(score, _)| std::cmp::Reverse(*score));
+    let mut groups: Vec<Vec<String>> = Vec::new();
+    let mut last = None;
+    for (score, name) in scored {
+        if last != Some(score) {
+            groups.push(Vec::new());
+            last = Some(score);
+        }
+        if let Some(g) = groups.last_mut() {
+            g.push(name.clone());
+        }
+    }
+    groups
 }
 
 /// Pairs the devices of the side whose order decides (`first`, link classes) with the other
@@ -226,6 +301,62 @@ mod tests {
         let seen_by_b: Vec<(usize, usize)> = from_a.iter().map(|&(x, y)| (y, x)).collect();
         assert_eq!(from_a, vec![(0, 1), (1, 0)]);
         assert_eq!(seen_by_b, vec![(1, 0), (0, 1)]);
+    }
+
+    #[test]
+    fn the_nearest_devices_in_the_pci_tree_come_first() {
+        let p = |s: &str| Some(PathBuf::from(s));
+        // An HGX-like tree: GPU 0 and mlx5_0 under switch 18, mlx5_1 under switch 28 of the
+        // same root complex, mlx5_2 on another root complex, rxe0 without a PCI device.
+        let gpu = Path::new(
+            "/sys/devices/pci0000:16/0000:16:01.0/0000:18:00.0/0000:19:00.0/0000:1b:00.0",
+        );
+        let devs = vec![
+            (
+                "mlx5_2".to_string(),
+                p("/sys/devices/pci0000:a0/0000:a0:01.0/0000:a1:00.0"),
+            ),
+            ("rxe0".to_string(), None),
+            (
+                "mlx5_1".to_string(),
+                p("/sys/devices/pci0000:16/0000:16:02.0/0000:28:00.0/0000:29:00.0"),
+            ),
+            (
+                "mlx5_0".to_string(),
+                p("/sys/devices/pci0000:16/0000:16:01.0/0000:18:00.0/0000:19:01.0/0000:1c:00.0"),
+            ),
+            (
+                "mlx5_3".to_string(),
+                p("/sys/devices/pci0000:16/0000:16:01.0/0000:18:00.0/0000:19:02.0/0000:1d:00.0"),
+            ),
+        ];
+        assert_eq!(
+            nearness_groups(gpu, &devs),
+            vec![
+                vec!["mlx5_0".to_string(), "mlx5_3".to_string()],
+                vec!["mlx5_1".to_string()],
+                vec!["mlx5_2".to_string()],
+                vec!["rxe0".to_string()],
+            ]
+        );
+        assert!(nearness_groups(gpu, &[]).is_empty());
+        // Addresses resolve under a bus directory (here a scratch tree with a symlink, as sysfs
+        // has), the nvidia-smi form included; unknown ones do not.
+        let dir = std::env::temp_dir().join(format!("kvwire-pci-{}", std::process::id()));
+        let target = dir.join("devices/pci0000:16/0000:1b:00.0");
+        std::fs::create_dir_all(&target).unwrap();
+        let bus = dir.join("bus");
+        std::fs::create_dir_all(&bus).unwrap();
+        let link = bus.join("0000:1b:00.0");
+        let _ = std::fs::remove_file(&link);
+        std::os::unix::fs::symlink(&target, &link).unwrap();
+        let want = std::fs::canonicalize(&target).ok();
+        assert_eq!(pci_sysfs_path("0000:1B:00.0", &bus), want);
+        assert_eq!(pci_sysfs_path("00000000:1b:00.0", &bus), want);
+        assert_eq!(pci_sysfs_path("0000:99:00.0", &bus), None);
+        assert_eq!(pci_sysfs_path(" ", &bus), None);
+        assert_eq!(pci_sysfs_path(target.to_str().unwrap(), &bus), want);
+        let _ = std::fs::remove_dir_all(&dir);
     }
 
     #[test]

@@ -53,9 +53,10 @@ impl PeerShared {
                         v.push((id, e.wr.op, sge, remote, false));
                     }
                 }
-                // Signal every `signal_every`-th WR and the last one of the chain; each
-                // signalled WR covers the unsignalled ones before it.
-                for (signalled, covers) in signal_plan(v.len(), self.signal_every) {
+                // Signal every READ, every `signal_every`-th WR and the last one of the chain;
+                // each signalled WR covers the unsignalled ones before it.
+                let ops: Vec<SendOp> = v.iter().map(|w| w.1).collect();
+                for (signalled, covers) in signal_plan(&ops, self.signal_every) {
                     v[signalled].4 = true;
                     if let Some(e) = m.get_mut(&v[signalled].0) {
                         e.covers = covers.iter().map(|&j| v[j].0).collect();

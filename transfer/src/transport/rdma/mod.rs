@@ -1,14 +1,18 @@
 //! RDMA transport: RC queue pairs over one or several verbs devices per engine, one-sided WRITE
 //! and READ.
 //!
-//! * **Devices**: the engine opens every device it is given
+//! * **Devices**: the engine uses every device it is given
 //!   ([`crate::EngineConfig::rdma_devices`], else [`crate::EngineConfig::rdma_device`], else
 //!   [`crate::EngineConfig::rdma_device_fallback`], which `EngineConfig::from_env` fills from
-//!   `$KVWIRE_RDMA_DEVICE`; the last two may be comma lists) or, when none is named, every
-//!   device with an active port (in natural name order: `mlx5_2` before `mlx5_10`). Each device gets one PD, one CQ with its completion
-//!   channel and one completion thread that sleeps on the channel when idle (a short bounded
-//!   poll burst first, inside `Cq::wait`). See `docs/rdma_hardware_plan.md` for why "all active
-//!   devices" is the default and when to name devices instead (NUMA/PCIe locality).
+//!   `$KVWIRE_RDMA_DEVICE`; the last two may be comma lists) or, when none is named, the active
+//!   devices nearest [`crate::EngineConfig::rdma_near`] in the PCI tree (the GPU a vLLM
+//!   worker's engine serves), else every device with an active port (in natural name order:
+//!   `mlx5_2` before `mlx5_10`). A device is opened **once per process** (`nics`): one context,
+//!   PD, CQ with its completion channel, and one completion thread that sleeps on the channel
+//!   when idle (a short bounded poll burst first, inside `Cq::wait`), shared by every engine of
+//!   the process that uses it; peers have process-wide keys, so a completion reaches its peer
+//!   whichever engine it belongs to. See `docs/rdma_hardware_plan.md` for why "all active
+//!   devices" is the default without `rdma_near` and when to name devices instead.
 //! * **Regions**: every region is registered as an MR on every device when it is added (local
 //!   ones with local write only; offered ones with the remote rights their `Access` grants), so
 //!   the NIC enforces the region's bounds and rights. The rkey on the first device and the
@@ -31,15 +35,15 @@
 //!   striped round-robin over the healthy lanes (of every device pair) whose remote device key
 //!   is known; each lane posts its WRs as one chain, at most the QP's send depth outstanding
 //!   (the rest waits in the lane's backlog, posted by the completion thread as slots free).
-//!   One WR in [`crate::EngineConfig::rdma_signal_every`] (default 1: all) and the last of
-//!   every chain are signalled (`signal_plan`); a signalled WR's *successful* completion also
-//!   completes the unsignalled WRs before it on its QP (RC completes in order; failed and flushed
-//!   WRs always report). When the signalled WR fails or is flushed, the unsignalled WRs it covers
-//!   that are still on that QP are not inferred done: they are posted again like flushed ones
-//!   (`covered_outcome`; WRITE and READ are idempotent). A completion is accepted only from the QP
-//!   its WR is posted on now (`completion_is_current`); one from a QP the WR left is ignored.
-//!   Values above 1 are still experimental (see that field).
-//! * **Completion threads**: one per device; after a round that reaped completions, while WRs
+//!   Every READ, one WRITE in [`crate::EngineConfig::rdma_signal_every`] (default 16) and the
+//!   last WR of every chain are signalled (`signal_plan`); a signalled WR's *successful*
+//!   completion also completes the unsignalled WRs before it on its QP (RC completes in order;
+//!   failed and flushed WRs always report). When the signalled WR fails or is flushed, the
+//!   unsignalled WRs it covers that are still on that QP are not inferred done: they are posted
+//!   again like flushed ones (`covered_outcome`; WRITE and READ are idempotent). A completion is
+//!   accepted only from the QP its WR is posted on now (`completion_is_current`); one from a QP
+//!   the WR left is ignored.
+//! * **Completion threads**: one per device per process; after a round that reaped completions, while WRs
 //!   are on the NIC, the CQ is polled for up to [`crate::EngineConfig::rdma_poll`] (default 0:
 //!   off) before the thread arms it and sleeps on the completion channel (never polled while
 //!   idle).
@@ -63,16 +67,18 @@
 //!   and its batch completed, nothing shows it until the next post there (then logged).
 //!
 //! Modules, each depending only on the ones listed before it:
-//! * `devices`: the devices ([`Dev`](devices::Dev)), their queue pairs, which devices to open,
-//!   device pairing;
+//! * `devices`: the devices ([`Dev`](devices::Dev)), their queue pairs, which devices to open
+//!   (named, nearest a PCI device, or all), device pairing;
 //! * `mrs`: a region's memory registrations on every device;
 //! * `signal`: the selective-signalling plan and its completion rules;
 //! * `state`: the transport's shared state and a peer's lanes and work requests;
 //! * `lane`: posting, breaking lanes, re-routing, asking to reconnect;
-//! * `completion`: completions and the completion threads;
+//! * `completion`: completions (re-posting, failing or finishing batches);
 //! * `keys`: remote keys on further devices;
 //! * `ctrl`: the peer's reconnection messages;
 //! * `post`: the per-peer data path (`PeerTransport` for `RdmaPeer`);
+//! * `nics`: the devices of the process, each opened once and shared by its engines, their
+//!   completion threads, and the process-wide peer keys those threads route by;
 //! * `transport`: [`RdmaTransport`] (open, handshake blobs, regions, `establish`).
 
 mod completion;
@@ -81,6 +87,7 @@ mod devices;
 mod keys;
 mod lane;
 mod mrs;
+mod nics;
 mod post;
 mod signal;
 mod state;

@@ -204,12 +204,13 @@ impl PeerTransport for RdmaPeer {
         };
         t.devs
             .iter()
-            .map(|d| {
+            .enumerate()
+            .map(|(i, d)| {
                 let n = self
                     .sh
                     .lanes
                     .iter()
-                    .filter(|l| l.ldev == d.index)
+                    .filter(|l| l.ldev == i)
                     .map(|l| l.posted.load(Ordering::Relaxed))
                     .sum();
                 (d.name.clone(), n)

@@ -1,19 +1,27 @@
 //! Selective signalling: which work requests of a chain are signalled, what a signalled
 //! completion says about the ones it covers, and which completions are current.
 
-use kvwire_verbs::WcStatus;
+use kvwire_verbs::{SendOp, WcStatus};
 
-/// Which WRs of a chain of `n` (posted in order on one QP) are signalled, and which
-/// unsignalled ones each signalled WR covers: every `every`-th WR and the last one are
-/// signalled; a signalled WR covers the unsignalled WRs since the previous signalled one of
-/// the chain. Every WR of the chain is either signalled or covered by exactly one later
-/// signalled WR (the last WR is always signalled), so no WR is left without a completion.
-pub(super) fn signal_plan(n: usize, every: usize) -> Vec<(usize, Vec<usize>)> {
+/// Which WRs of a chain (`ops`, posted in order on one QP) are signalled, and which
+/// unsignalled ones each signalled WR covers: every READ, every `every`-th WR since the
+/// previous signalled one, and the last one are signalled; a signalled WR covers the
+/// unsignalled WRs since the previous signalled one of the chain. Every WR of the chain is
+/// either signalled or covered by exactly one later signalled WR (the last WR is always
+/// signalled), so no WR is left without a completion.
+///
+/// READs are always signalled: a provider can report a READ successful whose data never
+/// landed and then fail its QP without an error completion (SoftRoCE does, see
+/// `completion::complete_one`); the engine repairs that by posting again the WR whose success
+/// the QP reported last, which needs each READ's own completion. WRITEs carry the KV path and
+/// are where the completion count matters.
+pub(super) fn signal_plan(ops: &[SendOp], every: usize) -> Vec<(usize, Vec<usize>)> {
     let every = every.max(1);
+    let n = ops.len();
     let mut out = Vec::with_capacity(n / every + 1);
     let mut cover = Vec::new();
-    for j in 0..n {
-        if (j + 1) % every == 0 || j + 1 == n {
+    for (j, op) in ops.iter().enumerate() {
+        if cover.len() + 1 >= every || j + 1 == n || *op == SendOp::Read {
             out.push((j, std::mem::take(&mut cover)));
         } else {
             cover.push(j);
@@ -69,7 +77,7 @@ mod tests {
             for &(batch, n) in chains {
                 let base = m.wrs.len();
                 m.wrs.extend(std::iter::repeat_n((batch, false), n));
-                for (sig, cov) in signal_plan(n, every) {
+                for (sig, cov) in signal_plan(&vec![SendOp::Write; n], every) {
                     m.wrs[base + sig].1 = true;
                     m.covers
                         .insert(base + sig, cov.into_iter().map(|j| base + j).collect());
@@ -134,7 +142,7 @@ mod tests {
     fn signal_plan_signals_every_nth_and_the_last_and_covers_the_rest_once() {
         for every in 1..=20 {
             for n in 0..70 {
-                let plan = signal_plan(n, every);
+                let plan = signal_plan(&vec![SendOp::Write; n], every);
                 let mut seen = vec![0u8; n];
                 let mut prev = None;
                 for (sig, cov) in &plan {
@@ -156,6 +164,44 @@ mod tests {
                 }
                 if every == 1 {
                     assert!(plan.iter().all(|(_, c)| c.is_empty()));
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn reads_are_always_signalled_and_writes_every_nth() {
+        // Every mix of READs and WRITEs up to 9 WRs: each READ signalled, no run of
+        // unsignalled WRs longer than `every - 1`, every WR signalled or covered exactly once.
+        for every in [1usize, 2, 3, 16] {
+            for n in 0..=9usize {
+                for mask in 0u32..(1 << n) {
+                    let ops: Vec<SendOp> = (0..n)
+                        .map(|j| {
+                            if mask & (1 << j) != 0 {
+                                SendOp::Read
+                            } else {
+                                SendOp::Write
+                            }
+                        })
+                        .collect();
+                    let plan = signal_plan(&ops, every);
+                    let mut seen = vec![0u8; n];
+                    for (sig, cov) in &plan {
+                        seen[*sig] += 1;
+                        assert!(cov.len() < every, "{ops:?} every={every}: run too long");
+                        for &c in cov {
+                            assert_eq!(ops[c], SendOp::Write, "a READ left unsignalled");
+                            assert!(c < *sig);
+                            seen[c] += 1;
+                        }
+                    }
+                    assert!(seen.iter().all(|&k| k == 1), "{ops:?} every={every}");
+                    for (j, op) in ops.iter().enumerate() {
+                        if *op == SendOp::Read {
+                            assert!(plan.iter().any(|(s, _)| *s == j), "READ {j} unsignalled");
+                        }
+                    }
                 }
             }
         }

@@ -8,13 +8,12 @@
 use std::collections::{HashMap, HashSet, VecDeque};
 use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Weak};
-use std::time::Duration;
 
 use parking_lot::{Mutex, RwLock};
 
 use kvwire_verbs::{ConnectParams, Endpoint, Mtu, Qp, SendOp};
 
-use super::devices::{verbs_err, Dev, DevQp};
+use super::devices::{verbs_err, Dev, DevQp, Nic};
 use super::mrs::MrSet;
 use crate::batch::BatchState;
 use crate::ctrl::CtrlWriter;
@@ -28,17 +27,13 @@ pub(super) const MAX_RETRIES: u8 = 3;
 /// breaks and re-establishments, for diagnosing the data path (`trace`/`debug` level).
 pub(super) const WR_TRACE: &str = "kvwire::rdma::wr";
 
-/// State shared by the transport, its completion threads and its peers.
+/// State shared by the transport and its peers.
 pub(super) struct Shared {
-    pub(super) devs: Vec<Arc<Dev>>,
+    /// The engine's devices (shared with the other engines of the process that use them).
+    pub(super) devs: Vec<Arc<Nic>>,
     pub(super) mrs: RwLock<HashMap<RegionId, Arc<MrSet>>>,
-    pub(super) peers: Mutex<HashMap<u32, Weak<PeerShared>>>,
-    pub(super) next_peer: AtomicU32,
-    pub(super) stop: AtomicBool,
     /// Signal one WR in this many (≥ 1).
     pub(super) signal_every: usize,
-    /// Completion-thread poll window.
-    pub(super) poll: Duration,
 }
 
 /// A lane is re-established at most this many times (then it stays broken).
@@ -139,14 +134,6 @@ pub(super) struct PeerShared {
     pub(super) asked: Mutex<HashSet<RegionId>>,
 }
 
-impl Drop for PeerShared {
-    fn drop(&mut self) {
-        if let Some(t) = self.tr.upgrade() {
-            t.peers.lock().remove(&self.key);
-        }
-    }
-}
-
 /// Per-peer RDMA state.
 pub(crate) struct RdmaPeer {
     pub(super) sh: Arc<PeerShared>,
@@ -183,7 +170,7 @@ impl PeerShared {
         let t = self.tr.upgrade().ok_or(Error::Shutdown)?;
         t.devs
             .get(self.lanes[lane].ldev)
-            .cloned()
+            .map(|n| n.dev.clone())
             .ok_or(Error::Shutdown)
     }
 

@@ -2,35 +2,41 @@
 //! regions registered on every device, and the per-peer state built in `establish`.
 
 use std::collections::{HashMap, HashSet, VecDeque};
-use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, Ordering};
+use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use parking_lot::{Mutex, RwLock};
 
-use kvwire_verbs::{ConnectParams, Verbs, DEFAULT_LIBRARY};
+use kvwire_verbs::{ConnectParams, DeviceInfo, Verbs, DEFAULT_LIBRARY};
 
-use super::completion::completion_loop;
-use super::devices::{natural_key, pair_devices, verbs_err, wanted_devices, Dev, DevQp, QP_DEPTH};
+use super::devices::Nic;
+use super::devices::{
+    natural_key, nearness_groups, pair_devices, pci_sysfs_path, verbs_err, wanted_devices, DevQp,
+    QP_DEPTH,
+};
 use super::mrs::MrSet;
+use super::nics;
 use super::state::{Lane, LaneState, PeerShared, RdmaPeer, Shared};
-use crate::config::{EngineConfig, RDMA_SIGNAL_ENV};
+use crate::config::EngineConfig;
 use crate::error::Error;
 use crate::mem::RegionMrs;
-use crate::net::{spawn_counted, Threads};
 use crate::region::RegionEntry;
 use crate::transport::api::{EstablishCtx, PeerTransport, Transport};
 use crate::types::{RegionId, TransportKind};
 use crate::wire::rdma::{blob_nonce, encode_blob, parse_blob, BlobDev, MAX_DEVICES, MAX_LANES};
 use crate::wire::{HostIdentity, ProtocolError, TRANSPORT_RDMA};
 
+/// Where sysfs lists PCI devices by address.
+const PCI_DEVICES: &str = "/sys/bus/pci/devices";
 /// Unclaimed pre-created QP sets live this long beyond the connect timeout.
 const PRE_EXPIRY_SLACK: Duration = Duration::from_secs(5);
 /// At most this many unclaimed QP sets at once (beyond: RDMA is not offered in that handshake).
 const MAX_PRE: usize = 128;
-/// Signal one WR in this many when the configuration does not say
-/// ([`EngineConfig::rdma_signal_every`]: experimental above 1).
-const SIGNAL_EVERY: usize = 1;
+/// Signal one WRITE in this many when the configuration does not say
+/// ([`EngineConfig::rdma_signal_every`]); READs are always signalled (`signal_plan`).
+const SIGNAL_EVERY: usize = 16;
 /// The completion threads' poll window when the configuration does not say
 /// ([`EngineConfig::rdma_poll`]; 0 = never).
 const POLL_US: u64 = 0;
@@ -56,7 +62,7 @@ impl RdmaTransport {
     /// Opens the configured devices; `Ok(None)` when RDMA is not available here (no library, no
     /// usable device), with the reason logged. A device named in the configuration that cannot
     /// be opened is an error.
-    pub fn open(cfg: &EngineConfig, threads: &Threads) -> Result<Option<RdmaTransport>, Error> {
+    pub fn open(cfg: &EngineConfig) -> Result<Option<RdmaTransport>, Error> {
         let path = cfg
             .ibverbs_path
             .as_deref()
@@ -81,33 +87,63 @@ impl RdmaTransport {
             return Ok(None);
         }
         let wanted = wanted_devices(cfg);
-        let candidates: Vec<String> = match &wanted {
-            Some(v) => v.clone(),
+        // Groups of devices to try, in order; the first group with a usable device is used.
+        let groups: Vec<Vec<String>> = match &wanted {
+            Some(v) => vec![v.clone()],
             None => {
-                let mut v: Vec<String> = devices.iter().map(|d| d.name.clone()).collect();
-                v.sort_by_key(|n| natural_key(n));
-                v
+                let mut all: Vec<&DeviceInfo> = devices.iter().collect();
+                all.sort_by_key(|d| natural_key(&d.name));
+                let near = cfg.rdma_near.as_deref().filter(|n| !n.trim().is_empty());
+                match near.map(|n| (n, pci_sysfs_path(n, Path::new(PCI_DEVICES)))) {
+                    Some((_, Some(at))) => {
+                        let devs: Vec<(String, Option<PathBuf>)> = all
+                            .iter()
+                            .map(|d| (d.name.clone(), d.pci_path.clone()))
+                            .collect();
+                        nearness_groups(&at, &devs)
+                    }
+                    Some((n, None)) => {
+                        tracing::warn!(
+                            near = n,
+                            "rdma_near names no PCI device sysfs knows; every active RDMA \
+                             device is used"
+                        );
+                        vec![all.iter().map(|d| d.name.clone()).collect()]
+                    }
+                    None => vec![all.iter().map(|d| d.name.clone()).collect()],
+                }
             }
         };
-        if candidates.len() > MAX_DEVICES && wanted.is_some() {
-            return Err(Error::InvalidArgument(format!(
-                "{} RDMA devices named (at most {MAX_DEVICES})",
-                candidates.len()
-            )));
-        }
-        let mut devs: Vec<Arc<Dev>> = Vec::new();
-        for name in candidates {
-            if devs.len() == MAX_DEVICES {
-                break;
+        if let Some(v) = &wanted {
+            if v.len() > MAX_DEVICES {
+                return Err(Error::InvalidArgument(format!(
+                    "{} RDMA devices named (at most {MAX_DEVICES})",
+                    v.len()
+                )));
             }
-            match Dev::open(&verbs, &name, devs.len()) {
-                Ok(dev) => devs.push(Arc::new(dev)),
-                Err(e) if wanted.is_some() => {
-                    return Err(Error::Unsupported(format!("RDMA device {name}: {e}")));
+        }
+        let poll = cfg
+            .rdma_poll
+            .unwrap_or(Duration::from_micros(POLL_US))
+            .min(Duration::from_micros(MAX_POLL_US));
+        let mut devs: Vec<Arc<Nic>> = Vec::new();
+        for group in groups {
+            for name in group {
+                if devs.len() == MAX_DEVICES {
+                    break;
                 }
-                Err(e) => {
-                    tracing::debug!(device = %name, error = %e, "RDMA device not usable");
+                match nics::nic(&verbs, path, &name, poll) {
+                    Ok(nic) => devs.push(nic),
+                    Err(e) if wanted.is_some() => {
+                        return Err(Error::Unsupported(format!("RDMA device {name}: {e}")));
+                    }
+                    Err(e) => {
+                        tracing::debug!(device = %name, error = %e, "RDMA device not usable");
+                    }
                 }
+            }
+            if !devs.is_empty() {
+                break;
             }
         }
         if devs.is_empty() {
@@ -118,39 +154,17 @@ impl RdmaTransport {
             .unwrap_or(SIGNAL_EVERY as u64)
             .min(u64::from(QP_DEPTH))
             .max(1) as usize;
-        if signal_every > 1 {
-            tracing::warn!(
-                var = RDMA_SIGNAL_ENV,
-                value = signal_every,
-                "selective signalling is an unfinished experiment (in the SoftRoCE VM, READ \
-                 batches over two devices were seen completing with a slice unwritten); do not \
-                 use it for real data"
-            );
-        }
         let sh = Arc::new(Shared {
             devs,
             mrs: RwLock::new(HashMap::new()),
-            peers: Mutex::new(HashMap::new()),
-            next_peer: AtomicU32::new(1),
-            stop: AtomicBool::new(false),
             signal_every,
-            poll: cfg
-                .rdma_poll
-                .unwrap_or(Duration::from_micros(POLL_US))
-                .min(Duration::from_micros(MAX_POLL_US)),
         });
-        for d in &sh.devs {
-            let (s2, i) = (sh.clone(), d.index);
-            let spawned = spawn_counted(format!("kvwire-rdma-cq{i}"), threads, move || {
-                completion_loop(s2, i)
-            });
-            if let Err(e) = spawned {
-                sh.stop.store(true, Ordering::Release);
-                return Err(e.into());
-            }
-        }
         let names: Vec<&str> = sh.devs.iter().map(|d| d.name.as_str()).collect();
-        if wanted.is_none() {
+        let near_set = cfg
+            .rdma_near
+            .as_deref()
+            .is_some_and(|n| !n.trim().is_empty());
+        if wanted.is_none() && !near_set {
             let mut numa: Vec<u32> = devices
                 .iter()
                 .filter(|d| names.contains(&d.name.as_str()))
@@ -164,7 +178,8 @@ impl RdmaTransport {
                     numa_nodes = ?numa,
                     "rdma: no device named, so every active device is used, on several NUMA \
                      nodes; name the NICs close to the memory (EngineConfig::rdma_devices or \
-                     KVWIRE_RDMA_DEVICE), see docs/rdma_hardware_plan.md"
+                     KVWIRE_RDMA_DEVICE) or the device they serve (EngineConfig::rdma_near or \
+                     KVWIRE_RDMA_NEAR), see docs/rdma_hardware_plan.md"
                 );
             }
         }
@@ -278,12 +293,6 @@ impl RdmaTransport {
 
     fn local_classes(&self) -> Vec<u8> {
         self.sh.devs.iter().map(|d| d.link).collect()
-    }
-}
-
-impl Drop for RdmaTransport {
-    fn drop(&mut self) {
-        self.sh.stop.store(true, Ordering::Release);
     }
 }
 
@@ -412,26 +421,26 @@ impl Transport for RdmaTransport {
             }
         }
         drop(slots); // QPs of devices without a partner
-        let key = self.sh.next_peer.fetch_add(1, Ordering::Relaxed);
-        let sh = Arc::new(PeerShared {
-            lanes,
-            key,
-            signal_every: self.sh.signal_every,
-            tr: Arc::downgrade(&self.sh),
-            remote_devs: remote.devs.len(),
-            wrs: Mutex::new(HashMap::new()),
-            next_wr: AtomicU32::new(1),
-            next_lane: AtomicU32::new(0),
-            slice: ctx.cfg.slice_size.min(1 << 30) as u64,
-            ctrl: ctx.ctrl,
-            on_dead: ctx.on_dead,
-            closed: AtomicBool::new(false),
-            reposts: AtomicU64::new(0),
-            stale: AtomicU64::new(0),
-            keys: RwLock::new(HashMap::new()),
-            asked: Mutex::new(HashSet::new()),
+        let sh = nics::add_peer(|key| {
+            Arc::new(PeerShared {
+                lanes,
+                key,
+                signal_every: self.sh.signal_every,
+                tr: Arc::downgrade(&self.sh),
+                remote_devs: remote.devs.len(),
+                wrs: Mutex::new(HashMap::new()),
+                next_wr: AtomicU32::new(1),
+                next_lane: AtomicU32::new(0),
+                slice: ctx.cfg.slice_size.min(1 << 30) as u64,
+                ctrl: ctx.ctrl,
+                on_dead: ctx.on_dead,
+                closed: AtomicBool::new(false),
+                reposts: AtomicU64::new(0),
+                stale: AtomicU64::new(0),
+                keys: RwLock::new(HashMap::new()),
+                asked: Mutex::new(HashSet::new()),
+            })
         });
-        self.sh.peers.lock().insert(key, Arc::downgrade(&sh));
         let names: Vec<String> = pairs
             .iter()
             .map(|&(l, r)| format!("{}->remote#{r}", self.sh.devs[l].name))
