@@ -21,6 +21,13 @@ pub mod rawmem;
 
 use pyo3::prelude::*;
 
+/// RDMA device contexts open in this process now: each device is opened once per process and
+/// shared by every engine in it that uses it.
+#[pyfunction]
+fn rdma_contexts_open() -> usize {
+    kvwire_transfer::verbs::contexts_open()
+}
+
 /// The extension module.
 #[pymodule]
 fn _kvwire(m: &Bound<'_, PyModule>) -> PyResult<()> {
@@ -35,6 +42,7 @@ fn _kvwire(m: &Bound<'_, PyModule>) -> PyResult<()> {
     layer::register(m)?;
     core::register(m)?;
     core_actions::register(m)?;
+    m.add_function(wrap_pyfunction!(rdma_contexts_open, m)?)?;
     m.add("__version__", env!("CARGO_PKG_VERSION"))?;
     Ok(())
 }

@@ -30,6 +30,7 @@ from kvwire._kvwire import (  # noqa: F401
     RemoteRegion,
     StreamStats,
     __version__,
+    rdma_contexts_open,
 )
 
 # The exception classes (kvwire.KvwireError and its subclasses), from their one table.
@@ -83,6 +84,7 @@ __all__ = [
     "Region",
     "RemoteRegion",
     "StreamStats",
+    "rdma_contexts_open",
     "register_tensor",
     *_errors.__all__,
 ]

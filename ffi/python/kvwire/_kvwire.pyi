@@ -17,7 +17,7 @@ __all__ = [
     "TransferEngine", "LayerStream", "LayerStats", "StreamStats", "CudaStager", "CudaSource",
     "DCore", "PCore", "CONNECTOR_BUCKET_BOUNDS", "Send", "MayReserve", "MayLand",
     "ReleaseBlocks", "ReleaseLanding", "ReportFinished", "ReportFailed", "DisconnectPeer",
-    "Transfer", "Destination", "CancelTransfers", "__version__",
+    "Transfer", "Destination", "CancelTransfers", "rdma_contexts_open", "__version__",
 ]
 
 #: Upper bounds (seconds) of the connector's latency histogram buckets, ``inf`` last.
@@ -595,3 +595,7 @@ class CancelTransfers:
     __match_args__ = ("req",)
     @property
     def req(self) -> int: ...
+
+def rdma_contexts_open() -> int:
+    """RDMA device contexts open in this process now (each device is opened once per process,
+    shared by every engine in it that uses it)."""
