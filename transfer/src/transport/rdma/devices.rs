@@ -1,6 +1,7 @@
-//! The engine's RDMA devices ([`Dev`]: context, PD, CQ, port, GID) and their queue pairs
-//! ([`DevQp`], counted against the device's completion queue budget); which devices to open and
-//! how the devices of two engines pair up.
+//! RDMA devices ([`Dev`]: context, PD, CQ, port, GID; [`Nic`]: a device as the engines of the
+//! process share it) and their queue pairs ([`DevQp`], counted against the device's completion
+//! queue budget); which devices to open (named, nearest a PCI device, or all) and how the
+//! devices of two engines pair up.
 
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
