@@ -11,10 +11,9 @@ use parking_lot::{Mutex, RwLock};
 
 use kvwire_verbs::{ConnectParams, DeviceInfo, Verbs, DEFAULT_LIBRARY};
 
-use super::devices::Nic;
 use super::devices::{
     natural_key, nearness_groups, pair_devices, pci_sysfs_path, verbs_err, wanted_devices, DevQp,
-    QP_DEPTH,
+    Nic, QP_DEPTH,
 };
 use super::mrs::MrSet;
 use super::nics;
@@ -87,13 +86,13 @@ impl RdmaTransport {
             return Ok(None);
         }
         let wanted = wanted_devices(cfg);
+        let near = cfg.rdma_near.as_deref().filter(|n| !n.trim().is_empty());
         // Groups of devices to try, in order; the first group with a usable device is used.
         let groups: Vec<Vec<String>> = match &wanted {
             Some(v) => vec![v.clone()],
             None => {
                 let mut all: Vec<&DeviceInfo> = devices.iter().collect();
                 all.sort_by_key(|d| natural_key(&d.name));
-                let near = cfg.rdma_near.as_deref().filter(|n| !n.trim().is_empty());
                 match near.map(|n| (n, pci_sysfs_path(n, Path::new(PCI_DEVICES)))) {
                     Some((_, Some(at))) => {
                         let devs: Vec<(String, Option<PathBuf>)> = all
