@@ -52,6 +52,16 @@ def engine_peer(conn, kw):
         n = e.get_notification(timeout)
         return bytes(n.tag)
 
+    def connect_write(addr, name, dst, off, n):
+        """Connects to ``addr`` (every call dials afresh) and writes ``name``'s first ``n`` bytes
+        into its region ``dst``; the error's class name on failure."""
+        try:
+            peer = e.connect(addr)
+            e.write(peer, [(regions[name], 0, dst, off, n)]).wait(30.0)
+        except kvwire.KvwireError as err:
+            return type(err).__name__
+        return "ok"
+
     _serve(
         conn,
         {
@@ -62,6 +72,7 @@ def engine_peer(conn, kw):
             "read": read,
             "unregister": unregister,
             "notification": notification,
+            "connect_write": connect_write,
         },
     )
 

@@ -226,6 +226,32 @@ def test_fence_refuses_a_peer_until_unfenced():
     p.write(peer, [(src, 0, dst, 0, 4096)]).wait(30.0)
 
 
+def test_fence_refuses_the_process_not_its_restart(engine_peer):
+    """A fence holds the process that was at the address: it is refused even after its
+    connection died, while a new process listening there (the peer restarted) is accepted
+    without an unfence, and its bytes land."""
+    t = kvwire.Engine(transport="tcp")
+    dst = t.alloc(MiB, "wo")
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        addr = f"127.0.0.1:{s.getsockname()[1]}"
+    old = engine_peer(transport="tcp", listen=addr)
+    old.call("alloc", "src", 4096, "local")
+    old.call("fill", "src", pattern(4096, "old"))
+    assert old.call("connect_write", t.listen_addr, "src", dst.id, 0, 4096) == "ok"
+    assert t.local_read(dst, 0, 4096) == pattern(4096, "old")
+    t.fence(addr)
+    assert old.call("connect_write", t.listen_addr, "src", dst.id, 0, 4096) == "FencedError"
+    old.kill()
+    new = engine_peer(transport="tcp", listen=addr)
+    new.call("alloc", "src", 4096, "local")
+    new.call("fill", "src", pattern(4096, "new"))
+    assert new.call("connect_write", t.listen_addr, "src", dst.id, 4096, 4096) == "ok"
+    assert t.local_read(dst, 0, 4096) == pattern(4096, "old")
+    assert t.local_read(dst, 4096, 4096) == pattern(4096, "new")
+    assert t.unfence(addr)  # the fence of the old process was still there
+
+
 def test_dead_peer(engine_peer):
     peer = engine_peer()
     rid = peer.call("alloc", "dst", 4 * MiB, "wo")

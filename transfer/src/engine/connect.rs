@@ -47,7 +47,7 @@ impl Engine {
     fn connect_inner(&self, addr: SocketAddr) -> Result<Peer, Error> {
         let core = self.core();
         core.check_open()?;
-        if core.is_fenced(addr) {
+        if core.is_fenced(addr, None) {
             return Err(Error::Fenced { addr });
         }
         let slot = PeerSlot::take(&core.peer_count, core.cfg.limits.max_peers)?;
@@ -185,7 +185,7 @@ impl Core {
             }
             // Under `reg_lock`: a fence of this address either came first (refused here) or
             // comes after the peer is registered (and closes it).
-            if self.is_fenced(peer.listen_addr) {
+            if self.is_fenced(peer.listen_addr, Some(&peer.remote_host)) {
                 let e = Error::Fenced {
                     addr: peer.listen_addr,
                 };
@@ -200,6 +200,7 @@ impl Core {
                 .lock()
                 .insert(peer.lane_in.sid, Arc::downgrade(&peer));
             self.peers.lock().insert(id, peer.clone());
+            self.saw_peer(peer.listen_addr, &peer.remote_host);
             // Counted before the handshake's last message goes out (visible to the remote).
             self.metrics.connections[usize::from(!initiator)].fetch_add(1, Ordering::Relaxed);
             let shm = peer.same_host;

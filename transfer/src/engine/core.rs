@@ -13,6 +13,7 @@ use parking_lot::Mutex;
 
 use super::fence::RegionFences;
 use super::peer::{peer_reposts, EngineId, Peer, PeerInner};
+use super::peer_fence::AddrFence;
 use crate::batch::Timer;
 use crate::config::EngineConfig;
 use crate::error::Error;
@@ -44,8 +45,10 @@ pub(crate) struct Core {
     pub(super) peers: Mutex<HashMap<PeerId, Arc<PeerInner>>>,
     /// Session ids of the lanes peers open into us (see `auth`), while their peer lives.
     pub(super) sessions: Mutex<HashMap<[u8; 16], Weak<PeerInner>>>,
-    /// Fenced peer engines (by listen address), with the session ids they had then.
-    pub(super) fenced: Mutex<HashMap<SocketAddr, Vec<[u8; 16]>>>,
+    /// Fenced peer engines (by listen address), with their processes and session ids.
+    pub(super) fenced: Mutex<HashMap<SocketAddr, AddrFence>>,
+    /// The process last seen at each peer listen address (bounded, see `Core::saw_peer`).
+    pub(super) seen: Mutex<HashMap<SocketAddr, HostIdentity>>,
     /// Held while (region table change + broadcast) and while (peer insert + region snapshot),
     /// so every peer sees every region change exactly in order.
     pub(super) reg_lock: Mutex<()>,

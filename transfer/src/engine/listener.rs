@@ -135,7 +135,7 @@ impl Core {
             return Ok((p.clone(), p.lane_in));
         }
         let fenced = self.fenced.lock();
-        match fenced.iter().find(|(_, sids)| sids.contains(sid)) {
+        match fenced.iter().find(|(_, f)| f.sids.contains(sid)) {
             Some((addr, _)) => Err(Error::Fenced { addr: *addr }),
             None => Err(Error::AuthFailed),
         }

@@ -101,6 +101,7 @@ impl Engine {
             peers: Mutex::new(HashMap::new()),
             sessions: Mutex::new(HashMap::new()),
             fenced: Mutex::new(HashMap::new()),
+            seen: Mutex::new(HashMap::new()),
             reg_lock: Mutex::new(()),
             fences: RegionFences::default(),
             notify: Arc::new(NotifyQueue::default()),
