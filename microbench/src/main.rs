@@ -14,6 +14,7 @@ use kvwire_bench::spawn::{LocalTarget, READY_PREFIX, SECRET_ENV};
 use kvwire_bench::{BenchError, Plan, RunConfig, ServeConfig, Target};
 use kvwire_transfer::TransportKind;
 
+mod cuda_ipc;
 mod layerwise;
 mod tax;
 
@@ -37,6 +38,9 @@ enum Cmd {
     /// Layer streams: exposed transfer tail after the last layer, `whole` vs `layerwise`,
     /// and writes per request, against a target process on 127.0.0.1.
     Layerwise(layerwise::LayerwiseArgs),
+    /// CUDA IPC: device-to-device copies into another process's GPU memory next to copies
+    /// within one process, same bytes and GPU, every byte checked (needs a CUDA device).
+    CudaIpc(cuda_ipc::CudaIpcArgs),
     /// Fit the router cost model (kvwire.cost/1) from timeline records (JSON lines) and
     /// report its held-out error next to the seed model's.
     Calibrate(kvwire_bench::calibrate::CalibrateArgs),
@@ -161,6 +165,7 @@ fn main() -> ExitCode {
             a.metrics_addr = metrics_addr;
             layerwise::run(a)
         }
+        Cmd::CudaIpc(a) => cuda_ipc::run(&a),
         Cmd::Calibrate(a) => Ok(kvwire_bench::calibrate::run_cli(&a)),
         Cmd::Clock(a) => Ok(kvwire_bench::clock::cli_main(&a)),
         Cmd::Report(a) => Ok(kvwire_bench::suite::run(&a)),

@@ -13,6 +13,15 @@
 #      whole region and compares with the expected image.
 #   2. kvwire-bench layerwise: whole vs layerwise exposed tail, host and device memory, tcp and
 #      shm, every round verified byte for byte.
+#   3. tests/gpu/test_staging_cuda.py (the kvwire wheel from PREBUILT, torch from the machine):
+#      the connector's staging with CUDA KV caches: P's gather copy ordered after the layer's
+#      kernels (sent without a synchronize), D's landing copy reported only once complete.
+#   4. kvwire-bench cuda-ipc: copies into a second process's device memory over CUDA IPC next
+#      to device-to-device copies within one process, same bytes and GPU, 64 KiB to 1 GiB
+#      chunks, both destinations checksummed against the source.
+#
+# Every step runs even when one before it failed; summary.json in OUTDIR says which passed, and
+# the script fails when any did.
 #
 # Usage: tests/gpu/run.sh [OUTDIR]            (builds with cargo, release)
 #        PREBUILT=DIR tests/gpu/run.sh [OUTDIR] (uses DIR/layer_stream and DIR/kvwire-bench,
@@ -24,26 +33,66 @@ mkdir -p "$OUT"
 export KVWIRE_REQUIRE_GPU=1
 
 echo "== GPU"
-(nvidia-smi -L || echo "nvidia-smi not available") 2>&1 | tee "$OUT/nvidia-smi.txt"
+GPU=$(nvidia-smi -L 2>&1 | head -n 1 || echo "nvidia-smi not available")
+echo "$GPU"
 
 if [[ -n "${PREBUILT:-}" ]]; then
   TEST_BIN="$PREBUILT/layer_stream"
   BENCH_BIN="$PREBUILT/kvwire-bench"
 else
-  export CARGO_TARGET_DIR=${CARGO_TARGET_DIR:-target-gpu}
+  export CARGO_TARGET_DIR=${CARGO_TARGET_DIR:-$(pwd)/target-gpu}
   cargo build --release -p kvwire-bench
   TEST_BIN=$(cargo test --release -p kvwire-transfer --test layer_stream --no-run --message-format=json 2>/dev/null \
     | sed -n 's/.*"executable":"\([^"]*layer_stream[^"]*\)".*/\1/p' | tail -n 1)
   BENCH_BIN="$CARGO_TARGET_DIR/release/kvwire-bench"
 fi
 
-echo "== 1. device KV -> second process, tcp and shm, bytes verified"
-"$TEST_BIN" --exact cuda_device_kv_streams_layers --nocapture --test-threads=1 2>&1 | tee "$OUT/gpu-test.txt"
+declare -A RC
+step() { # step NAME CMD...: runs CMD, its output into $OUT/NAME.txt, its exit status kept
+  local name=$1
+  shift
+  echo "== $name"
+  set +e
+  "$@" 2>&1 | tee "$OUT/$name.txt"
+  RC[$name]=${PIPESTATUS[0]}
+  set -e
+}
 
-echo "== 1b. the CPU layer-stream tests on this machine too"
-"$TEST_BIN" --test-threads=4 2>&1 | tee "$OUT/layer-tests.txt"
+step gpu-test "$TEST_BIN" --exact cuda_device_kv_streams_layers --nocapture --test-threads=1
+step layer-tests "$TEST_BIN" --test-threads=4
+step layerwise "$BENCH_BIN" layerwise --json "$OUT/layerwise.json" --layers 32 --layer-bytes 4194304 --rounds 7
+if [[ ${RC[layerwise]} == 0 ]] && ! grep -q "memory = cuda\|cuda/layerwise" "$OUT/layerwise.txt"; then
+  echo "FAIL: no device-memory rows in the layerwise output"
+  RC[layerwise]=1
+fi
+WHEEL=$(ls "${PREBUILT:-$CARGO_TARGET_DIR}"/kvwire-*.whl 2>/dev/null | head -n 1 || true)
+if [[ -z "$WHEEL" && -z "${PREBUILT:-}" ]]; then
+  (cd ffi && python3 -m maturin build --release -q -o "$CARGO_TARGET_DIR") || true
+  WHEEL=$(ls "$CARGO_TARGET_DIR"/kvwire-*.whl 2>/dev/null | head -n 1 || true)
+fi
+if [[ -n "$WHEEL" ]]; then
+  SITE=$(mktemp -d)
+  python3 -m pip install -q --no-index --no-deps --no-compile --target "$SITE" "$WHEEL"
+  step staging-cuda env PYTHONPATH="$SITE" python3 -m pytest -q -p no:cacheprovider -rs tests/gpu/test_staging_cuda.py
+else
+  echo "FAIL: no kvwire wheel (tests/gpu/build.sh makes one)" | tee "$OUT/staging-cuda.txt"
+  RC[staging-cuda]=1
+fi
+step cuda-ipc "$BENCH_BIN" cuda-ipc --json "$OUT/cuda_ipc.json"
 
-echo "== 2. layerwise bench (host and device memory)"
-"$BENCH_BIN" layerwise --json "$OUT/layerwise.json" --layers 32 --layer-bytes 4194304 --rounds 7 2>&1 | tee "$OUT/layerwise.txt"
-grep -q "memory = cuda\|cuda/layerwise" "$OUT/layerwise.txt" || { echo "FAIL: no device-memory rows in the bench output"; exit 1; }
-echo "== done: results in $OUT"
+fail=0
+{
+  echo "{"
+  printf '  "gpu": "%s"' "${GPU//\"/}"
+  for k in gpu-test layer-tests layerwise staging-cuda cuda-ipc; do
+    echo ","
+    printf '  "%s": %s' "$k" "${RC[$k]}"
+    [[ ${RC[$k]} == 0 ]] || fail=1
+  done
+  echo
+  echo "}"
+} >"$OUT/summary.json"
+echo "== exit status per step (0: passed):"
+cat "$OUT/summary.json"
+echo "== results in $OUT"
+exit $fail

@@ -27,7 +27,12 @@
 //! with [`EventReadiness`] as the layer's readiness and no stager.
 //! [`gpudirect_rdma_supported`] says whether the device claims support.
 //!
+//! [`ipc`]: device memory shared with another process of this host (CUDA IPC) and copies
+//! into it on the device.
+//!
 //! All `unsafe` for CUDA lives in this module.
+
+pub mod ipc;
 
 use std::sync::{Arc, OnceLock};
 
@@ -116,7 +121,7 @@ pub trait DeviceRegistrar {
     ) -> Result<RegionHandle, Error>;
 }
 
-fn create_blocking_event() -> Result<sys::CUevent, CudaError> {
+pub(crate) fn create_blocking_event() -> Result<sys::CUevent, CudaError> {
     let mut ev: sys::CUevent = std::ptr::null_mut();
     let flags = sys::CUevent_flags::CU_EVENT_BLOCKING_SYNC as u32
         | sys::CUevent_flags::CU_EVENT_DISABLE_TIMING as u32;

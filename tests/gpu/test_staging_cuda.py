@@ -1,0 +1,124 @@
+"""The connector's staging (kvwire.vllm.staging) with real CUDA KV caches, on a GPU: the CUDA
+branch that the CPU tests check only against a stand-in. Run by tests/gpu/run.sh with
+``KVWIRE_REQUIRE_GPU=1`` (no GPU is then a failure, not a skip).
+
+* P: a layer is computed on the current stream (a long chain of kernels, then the fill), and its
+  blocks are sent at once, without a synchronize: the gather copy must wait for the layer's
+  event, or it reads the cache before the compute wrote it.
+* D: writes land in the pinned host mirror, are copied to the device cache by ``land``, and the
+  request is reported only after that copy completed.
+* Every byte compared with the source, at both ends, K and V.
+"""
+
+import importlib.util
+import os
+import sys
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+import kvwire  # noqa: E402
+
+# The staging module alone: the package kvwire.vllm imports vLLM, which this machine may lack.
+_spec = importlib.util.spec_from_file_location(
+    "kvwire_vllm_staging", os.path.join(os.path.dirname(kvwire.__file__), "vllm", "staging.py"))
+staging = importlib.util.module_from_spec(_spec)
+sys.modules[_spec.name] = staging  # dataclasses look their module up there
+_spec.loader.exec_module(staging)
+Staging = staging.Staging
+
+if not torch.cuda.is_available():
+    if os.environ.get("KVWIRE_REQUIRE_GPU") == "1":
+        raise RuntimeError("KVWIRE_REQUIRE_GPU=1 but torch sees no CUDA device")
+    pytest.skip("SKIPPED: no CUDA device", allow_module_level=True)
+
+DEV = torch.device("cuda", 0)
+BLOCKS, TOK, HEADS, DIM = 64, 16, 8, 128  # vLLM's [2, blocks, block_size, heads, head_dim]
+BB = TOK * HEADS * DIM * 2  # bytes per (block, half) in fp16
+
+
+def cuda_cache(fill=None):
+    t = torch.zeros(2, BLOCKS, TOK, HEADS, DIM, dtype=torch.float16, device=DEV)
+    if fill is not None:
+        g = torch.Generator(device=DEV).manual_seed(fill)
+        t.copy_(torch.rand(t.shape, generator=g, device=DEV, dtype=torch.float16))
+    torch.cuda.synchronize()
+    return t
+
+
+def busy(ms_of_work=200):
+    """Kernels that keep the current stream busy for a while (so a copy not ordered after them
+    would run first)."""
+    a = torch.rand(4096, 4096, device=DEV)
+    for _ in range(ms_of_work):
+        a = a @ a
+        a = a / a.norm()
+    return a
+
+
+@pytest.fixture
+def engines():
+    made = []
+
+    def make():
+        e = kvwire.Engine(transport=os.environ.get("KVWIRE_TEST_TRANSPORT", "auto"))
+        made.append(e)
+        return e
+
+    yield make
+    for e in made:
+        e.shutdown()
+
+
+def test_staged_send_from_a_cuda_cache_waits_for_the_layer(engines):
+    pe, de = engines(), engines()
+    src = cuda_cache()
+    st = Staging(pe, DEV, 8 * 2 * BB, producer=True, consumer=False)
+    st.add_layer("l0", src, 2, BLOCKS, BB)
+    dst = torch.zeros(2, BLOCKS, TOK, HEADS, DIM, dtype=torch.float16)  # D: a host cache
+    kvwire.register_tensor(de, dst, "rw")
+    peer = pe.connect(de.listen_addr)
+    remote = peer.regions()[0]
+    want = torch.rand(src.shape, generator=torch.Generator(device=DEV).manual_seed(7), device=DEV,
+                      dtype=torch.float16)
+    torch.cuda.synchronize()
+    busy()  # the layer's compute: queued, not finished
+    src.copy_(want)  # its last kernel writes the cache
+    s_ids = [5, 6, 7, 40, 41, 2, 63, 0, 30, 31, 32, 33]
+    d_ids = [1, 2, 3, 10, 11, 12, 20, 21, 50, 51, 52, 53]
+    st.send(peer, "l0", s_ids, d_ids, remote, BLOCKS, "t")  # no synchronize before it
+    out = st.reap(block=True)
+    assert out == [("t", True, len(s_ids) * 2 * BB)]
+    exp = torch.zeros_like(dst)
+    w = want.cpu()
+    for s, d in zip(s_ids, d_ids):
+        exp[:, d] = w[:, s]
+    assert torch.equal(dst, exp)
+    assert st.stats["split"] >= 1 and st.idle  # 12 blocks through an 8-block pool
+
+
+def test_landing_into_a_cuda_cache_reports_after_the_copy(engines):
+    de, pe = engines(), engines()
+    dev = cuda_cache()
+    st = Staging(de, DEV, 1 << 20, producer=False, consumer=True)
+    region = st.add_layer("l0", dev, 2, BLOCKS, BB)
+    assert region is not None and region.len == dev.numel() * 2  # the host mirror
+    data = torch.rand(dev.shape, generator=torch.Generator().manual_seed(3)).to(torch.float16)
+    pr = kvwire.register_tensor(pe, data, "rw")
+    peer = pe.connect(de.listen_addr)
+    remote = peer.regions()[0]
+    blocks = [2, 3, 17, 60]
+    ops = [(pr, (h * BLOCKS + b) * BB, remote, (h * BLOCKS + b) * BB, BB) for b in blocks for h in range(2)]
+    pe.write(peer, ops).wait(30.0)
+    assert not dev.any().item()  # landed in the mirror only
+    st.land({"r"}, {"r": blocks})
+    for _ in range(100000):
+        got = st.landed()
+        if got[0]:
+            break
+    assert got == ({"r"}, set())
+    torch.cuda.synchronize()
+    exp = torch.zeros_like(data)
+    exp[:, blocks] = data[:, blocks]
+    assert torch.equal(dev.cpu(), exp)
