@@ -1,10 +1,10 @@
 //! `kvwire-bench cuda-ipc`: device-to-device copies into another process's GPU memory over
-//! CUDA IPC, next to `cudaMemcpy` device-to-device within one process, same bytes, same GPU,
-//! same run.
+//! CUDA IPC, next to device-to-device copies within one process, same bytes, same run.
 //!
-//! This process is P: it allocates a source buffer on device 0 (`cuMemAlloc`, as PyTorch's
+//! This process is P: it allocates a source buffer on `--device` (0) (`cuMemAlloc`, as PyTorch's
 //! allocator does) and a local destination of the same size (the baseline). A child process
-//! (this binary re-executed as `cuda-ipc --child`) is D: it allocates its own buffer, exports
+//! (this binary re-executed as `cuda-ipc --child`) is D: it allocates its own buffer (on
+//! `--d-device`, P's device by default: another GPU puts NVLink in the path), exports
 //! it (`cuIpcGetMemHandle`) and prints the handle; P opens it once. Per chunk size, P fills
 //! its source with a pattern of that size's seed (not timed), then times `--rounds` copies of
 //! the whole buffer in chunks of that size, alternating IPC and local rounds, each finished by
@@ -38,6 +38,12 @@ pub struct CudaIpcArgs {
     /// Chunk sizes of the copies, comma separated (`all`: the whole buffer in one copy).
     #[arg(long, value_delimiter = ',', default_value = "64K,1M,16M,all")]
     chunks: Vec<String>,
+    /// P's CUDA device (source and local baseline).
+    #[arg(long, default_value_t = 0)]
+    device: usize,
+    /// D's CUDA device (another one: copies over NVLink or PCIe peer-to-peer) [default: P's].
+    #[arg(long)]
+    d_device: Option<usize>,
     /// Timed rounds per chunk size and side (after one warm-up round each).
     #[arg(long, default_value_t = 5)]
     rounds: usize,
@@ -55,11 +61,16 @@ fn ce(what: &str) -> impl Fn(CudaError) -> BenchError + '_ {
 
 pub fn run(a: &CudaIpcArgs) -> Result<ExitCode, BenchError> {
     let require = std::env::var("KVWIRE_REQUIRE_GPU").as_deref() == Ok("1");
+    let dev = if a.child {
+        a.d_device.unwrap_or(a.device)
+    } else {
+        a.device
+    };
     let ctx = match cuda::device_count() {
-        Ok(n) if n > 0 => cuda::context(0).map_err(ce("context"))?,
+        Ok(n) if n > dev => cuda::context(dev).map_err(ce("context"))?,
         other => {
             let why = match other {
-                Ok(_) => "no CUDA device".to_string(),
+                Ok(n) => format!("no CUDA device {dev} ({n} found)"),
                 Err(e) => e.to_string(),
             };
             if require {
@@ -85,7 +96,8 @@ pub fn run(a: &CudaIpcArgs) -> Result<ExitCode, BenchError> {
         })
         .collect::<Result<Vec<usize>, String>>()
         .map_err(BenchError::Plan)?;
-    let mut d = Exporter::spawn(len)?;
+    let d_dev = a.d_device.unwrap_or(a.device);
+    let mut d = Exporter::spawn(len, d_dev)?;
     let exp = d.export.clone();
     let mapping = Arc::new(IpcMapping::open(ctx.clone(), &exp).map_err(ce("open the handle"))?);
     let src = Arc::new(DeviceBuffer::alloc(ctx.clone(), len).map_err(ce("alloc"))?);
@@ -187,7 +199,8 @@ pub fn run(a: &CudaIpcArgs) -> Result<ExitCode, BenchError> {
     drop(mapping);
     d.exit();
     if let Some(p) = &a.json {
-        let v = json!({"device": name, "bytes": len, "rounds": a.rounds, "rows": rows});
+        let v = json!({"device": name, "p_device": a.device, "d_device": d_dev, "bytes": len,
+                       "rounds": a.rounds, "rows": rows});
         std::fs::write(p, serde_json::to_string_pretty(&v).unwrap_or_default())?;
     }
     if !all_ok {
@@ -234,10 +247,11 @@ struct Exporter {
 }
 
 impl Exporter {
-    fn spawn(len: usize) -> Result<Self, BenchError> {
+    fn spawn(len: usize, device: usize) -> Result<Self, BenchError> {
         let exe = std::env::current_exe()?;
         let mut child = Command::new(exe)
             .args(["cuda-ipc", "--child", "--bytes", &len.to_string()])
+            .args(["--d-device", &device.to_string()])
             .stdin(Stdio::piped())
             .stdout(Stdio::piped())
             .spawn()?;
