@@ -58,21 +58,17 @@ def busy(ms_of_work=200):
 
 
 @pytest.fixture
-def engines():
-    made = []
-
-    def make():
-        e = kvwire.Engine(transport=os.environ.get("KVWIRE_TEST_TRANSPORT", "auto"))
-        made.append(e)
-        return e
-
-    yield make
-    for e in made:
-        e.shutdown()
+def pair():
+    """P's and D's engines, in this process; shut down after the test."""
+    t = os.environ.get("KVWIRE_TEST_TRANSPORT", "auto")
+    p, d = kvwire.Engine(transport=t), kvwire.Engine(transport=t)
+    yield p, d
+    p.shutdown()
+    d.shutdown()
 
 
-def test_staged_send_from_a_cuda_cache_waits_for_the_layer(engines):
-    pe, de = engines(), engines()
+def test_staged_send_from_a_cuda_cache_waits_for_the_layer(pair):
+    pe, de = pair
     src = cuda_cache()
     st = Staging(pe, DEV, 8 * 2 * BB, producer=True, consumer=False)
     st.add_layer("l0", src, 2, BLOCKS, BB)
@@ -98,8 +94,8 @@ def test_staged_send_from_a_cuda_cache_waits_for_the_layer(engines):
     assert st.stats["split"] >= 1 and st.idle  # 12 blocks through an 8-block pool
 
 
-def test_landing_into_a_cuda_cache_reports_after_the_copy(engines):
-    de, pe = engines(), engines()
+def test_landing_into_a_cuda_cache_reports_after_the_copy(pair):
+    pe, de = pair
     dev = cuda_cache()
     st = Staging(de, DEV, 1 << 20, producer=False, consumer=True)
     region = st.add_layer("l0", dev, 2, BLOCKS, BB)
