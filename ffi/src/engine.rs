@@ -652,7 +652,8 @@ impl PyEngine {
         Ok(out)
     }
 
-    /// The engine's metrics as a dict: scalar counters and gauges, `"transports"`
+    /// The engine's metrics as a dict: scalar counters and gauges, `"region_bytes_by_kind"`
+    /// (`{"engine": .., "host": .., "pinned": ..}`), `"transports"`
     /// (`{"tcp": {...}, "shm": {...}, "rdma": {...}}`), `"latency"` (histograms: transport,
     /// size class, cumulative `(le_seconds, count)` buckets, sum, count), `"peers"`, `"errors"`
     /// (`{stage: {kind: count}}`) and `"prometheus_text"` (the exposition text).
@@ -681,6 +682,11 @@ impl PyEngine {
             out.set_item(k, v)?;
         }
         out.set_item("registration_seconds", m.registration_seconds)?;
+        let kinds = PyDict::new(py);
+        for (k, n) in m.region_bytes_by_kind {
+            kinds.set_item(k, n)?;
+        }
+        out.set_item("region_bytes_by_kind", kinds)?;
         let transports = PyDict::new(py);
         for t in &m.transports {
             let d = PyDict::new(py);

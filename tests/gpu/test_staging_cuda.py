@@ -118,3 +118,13 @@ def test_landing_into_a_cuda_cache_reports_after_the_copy(pair):
     exp = torch.zeros_like(data)
     exp[:, blocks] = data[:, blocks]
     assert torch.equal(dev.cpu(), exp)
+
+
+def test_pinned_host_memory_is_counted_as_pinned(pair):
+    """The engine's metrics tell pinned host memory (what staging registers) from pageable."""
+    e, _ = pair
+    pinned = torch.zeros(1 << 20, dtype=torch.uint8).pin_memory()
+    pageable = torch.zeros(3 << 10, dtype=torch.uint8)
+    kvwire.register_tensor(e, pinned, "rw")
+    kvwire.register_tensor(e, pageable, "rw")
+    assert e.metrics()["region_bytes_by_kind"] == {"engine": 0, "host": 3 << 10, "pinned": 1 << 20}

@@ -102,3 +102,22 @@ def test_metrics_exact_after_known_transfers(engine_peer, transport):
     }
     assert counts == {c: float(v) for c, v in want.items()}
     e.shutdown()
+
+
+def test_region_bytes_by_kind():
+    """Registered bytes by what the memory is: allocated by the engine, or the caller's
+    (pageable here: pinned memory needs a GPU, see tests/gpu/test_staging_cuda.py), in the dict
+    and in the Prometheus text; an unregistered region leaves its kind's count."""
+    import ctypes
+
+    e = kvwire.Engine(transport="tcp")
+    a = e.alloc(3 * 4096, "rw")
+    buf = ctypes.create_string_buffer(5000)
+    r = e.register(ctypes.addressof(buf), 5000, "rw")
+    m = e.metrics()
+    assert m["region_bytes_by_kind"] == {"engine": 3 * 4096, "host": 5000, "pinned": 0}
+    assert 'kvwire_region_bytes_by_kind{kind="host"} 5000' in m["prometheus_text"]
+    e.unregister(r)
+    assert e.metrics()["region_bytes_by_kind"] == {"engine": 3 * 4096, "host": 0, "pinned": 0}
+    e.unregister(a)
+    e.shutdown()

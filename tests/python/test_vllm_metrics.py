@@ -247,6 +247,10 @@ def test_known_sequence_exact_stats(pair, prom_clean):
     assert pstats.data["counters"][f"engine_batches|{xport}|write"] == 2
     em = p.worker._worker.engine.metrics()
     assert total(pstats, "engine_errors") == engine_errors(em) >= 1  # m3's writes were refused
+    # P's KV caches are its engine's only regions: pageable host memory on CPU.
+    p_cache = sum(t.numel() * t.element_size() for t in p.worker._worker.caches.values())
+    (pg,) = [g for src, g in pstats.data["gauges"].items() if src.startswith("worker")]
+    assert (pg["engine_region_bytes|host"], pg["engine_region_bytes|pinned"]) == (p_cache, 0)
     assert hist(pstats, "engine_batch_latency")["count"] == 2
 
     # vLLM's periodic log line (KVConnectorLogging.log -> our reduce()).

@@ -23,8 +23,36 @@ enum Backing {
     Memfd(OwnedFd),
     /// A mapping of some fd (a peer's memfd), unmapped on drop.
     Mapped,
-    /// Memory owned by the caller.
-    Raw,
+    /// Memory owned by the caller; `true` when it is pinned (page-locked by the CUDA driver).
+    Raw(bool),
+}
+
+/// What a region's memory is, as the engine's metrics count it ([`RegionMem::kind`]).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum MemKind {
+    /// Allocated by the engine (a memfd).
+    Engine,
+    /// The caller's memory, pageable.
+    Host,
+    /// The caller's memory, pinned by the CUDA driver (`cudaHostAlloc`, `cudaHostRegister`).
+    Pinned,
+    /// A mapping of a peer's memory.
+    Mapped,
+}
+
+impl MemKind {
+    /// The kinds a region of ours can have, in the order the metrics list them.
+    pub const REGION_KINDS: [MemKind; 3] = [MemKind::Engine, MemKind::Host, MemKind::Pinned];
+
+    /// The metrics label.
+    pub fn label(self) -> &'static str {
+        match self {
+            MemKind::Engine => "engine",
+            MemKind::Host => "host",
+            MemKind::Pinned => "pinned",
+            MemKind::Mapped => "mapped",
+        }
+    }
 }
 
 /// A contiguous range of memory the engine may read and write.
@@ -36,14 +64,9 @@ pub struct RegionMem {
 
 impl std::fmt::Debug for RegionMem {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        let kind = match self.backing {
-            Backing::Memfd(_) => "memfd",
-            Backing::Mapped => "mapped",
-            Backing::Raw => "raw",
-        };
         f.debug_struct("RegionMem")
             .field("len", &self.len)
-            .field("kind", &kind)
+            .field("kind", &self.kind().label())
             .finish()
     }
 }
@@ -181,8 +204,26 @@ impl RegionMem {
         Ok(RegionMem {
             ptr,
             len,
-            backing: Backing::Raw,
+            backing: Backing::Raw(false),
         })
+    }
+
+    /// Marks caller memory as pinned (for the metrics; nothing else depends on it).
+    pub fn with_pinned(mut self, pinned: bool) -> RegionMem {
+        if let Backing::Raw(p) = &mut self.backing {
+            *p = pinned;
+        }
+        self
+    }
+
+    /// What this memory is.
+    pub fn kind(&self) -> MemKind {
+        match self.backing {
+            Backing::Memfd(_) => MemKind::Engine,
+            Backing::Mapped => MemKind::Mapped,
+            Backing::Raw(false) => MemKind::Host,
+            Backing::Raw(true) => MemKind::Pinned,
+        }
     }
 
     /// Length in bytes.
@@ -296,7 +337,7 @@ impl Drop for RegionMem {
                 // (mmap rounds to pages the same way); nothing uses it after drop.
                 unsafe { libc::munmap(self.ptr as *mut libc::c_void, map_len) };
             }
-            Backing::Raw => {}
+            Backing::Raw(_) => {}
         }
     }
 }

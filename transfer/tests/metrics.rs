@@ -337,6 +337,10 @@ fn run_sequence(kind: TransportKind) {
     assert_eq!(m.registrations, 2);
     assert_eq!(m.registered_bytes, 4 * MIB + 8192);
     assert_eq!((m.regions, m.region_bytes), (2, 4 * MIB + 8192));
+    assert_eq!(
+        m.region_bytes_by_kind,
+        [("engine", 4 * MIB + 8192), ("host", 0), ("pinned", 0)]
+    );
     assert_eq!(m.lanes_reestablished, 0);
     assert_eq!(m.reposts, 0);
     assert_eq!(m.peers.len(), 1);

@@ -28,11 +28,12 @@
 //! [`gpudirect_rdma_supported`] says whether the device claims support.
 //!
 //! [`ipc`]: device memory shared with another process of this host (CUDA IPC) and copies
-//! into it on the device.
+//! into it on the device. [`pointer`]: whether host memory is pinned (for the metrics).
 //!
 //! All `unsafe` for CUDA lives in this module.
 
 pub mod ipc;
+pub mod pointer;
 
 use std::sync::{Arc, OnceLock};
 

@@ -18,6 +18,7 @@ use crate::batch::Timer;
 use crate::config::EngineConfig;
 use crate::error::Error;
 use crate::gate::{AuthThrottle, ConnGate};
+use crate::mem::MemKind;
 use crate::metrics::{self, EngineMetrics, MetricsSnapshot};
 use crate::net::{LogLimiter, Threads};
 use crate::notify::{Notifications, NotifyQueue};
@@ -256,6 +257,10 @@ impl Core {
             reposts_live: reposts,
             regions: all.len() as u64,
             region_bytes: all.iter().map(|e| e.mem.len() as u64).sum(),
+            region_bytes_by_kind: MemKind::REGION_KINDS.map(|k| {
+                let n = all.iter().filter(|e| e.mem.kind() == k);
+                (k.label(), n.map(|e| e.mem.len() as u64).sum())
+            }),
             peers_connected: peers.len() as u64,
             notifications: (
                 n.delivered.load(Ordering::Relaxed),

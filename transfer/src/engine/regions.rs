@@ -49,7 +49,8 @@ impl Engine {
         self.core().add_region(Arc::new(mem), access)
     }
 
-    /// Registers caller-owned memory.
+    /// Registers caller-owned memory (counted as pinned in the metrics when the CUDA driver
+    /// has pinned it).
     ///
     /// # Safety
     /// `ptr..ptr+len` must stay valid for reads and writes until [`Engine::unregister`] of the
@@ -66,6 +67,8 @@ impl Engine {
         // SAFETY: forwarded contract of this function.
         let mem = unsafe { RegionMem::from_raw(ptr, len) }
             .map_err(|e| Error::InvalidArgument(e.to_string()))?;
+        #[cfg(feature = "cuda")]
+        let mem = mem.with_pinned(crate::cuda::pointer::is_pinned(ptr as usize));
         self.core().add_region(Arc::new(mem), access)
     }
 

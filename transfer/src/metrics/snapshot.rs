@@ -165,6 +165,9 @@ pub struct MetricsSnapshot {
     pub regions: u64,
     /// Bytes registered now.
     pub region_bytes: u64,
+    /// Bytes registered now by what the memory is: `engine` (allocated by the engine), `host`
+    /// (the caller's, pageable), `pinned` (the caller's, pinned by the CUDA driver).
+    pub region_bytes_by_kind: [(&'static str, u64); 3],
     /// Peers set up by `connect`.
     pub connections_outbound: u64,
     /// Peers set up by accepting.
@@ -297,6 +300,16 @@ impl MetricsSnapshot {
                     get(t)
                 );
             }
+        }
+        let name = "kvwire_region_bytes_by_kind";
+        head(
+            &mut o,
+            name,
+            "gauge",
+            "Bytes registered now, by memory: engine (allocated here), host (pageable), pinned.",
+        );
+        for (kind, n) in &self.region_bytes_by_kind {
+            let _ = writeln!(o, "{name}{{kind=\"{kind}\"}} {n}");
         }
         let name = "kvwire_batch_latency_seconds";
         head(
@@ -537,6 +550,7 @@ pub(crate) struct SnapshotExtra {
     pub reposts_live: u64,
     pub regions: u64,
     pub region_bytes: u64,
+    pub region_bytes_by_kind: [(&'static str, u64); 3],
     pub peers_connected: u64,
     pub notifications: (u64, u64, u64),
     /// (bytes, slices, batches) in flight.
@@ -598,6 +612,7 @@ impl EngineMetrics {
             unregistrations: ld(&self.unregistrations),
             regions: x.regions,
             region_bytes: x.region_bytes,
+            region_bytes_by_kind: x.region_bytes_by_kind,
             connections_outbound: ld(&self.connections[0]),
             connections_inbound: ld(&self.connections[1]),
             disconnects: ld(&self.disconnects),

@@ -75,6 +75,9 @@ SERIES: dict[str, tuple] = {
     "engine_inflight_bytes": ("gauge", "kvwire_engine_inflight_bytes", (), "Engine bytes in flight now."),
     "engine_inflight_batches": ("gauge", "kvwire_engine_inflight_batches", (), "Engine batches in flight now."),
     "engine_peers": ("gauge", "kvwire_engine_peers", (), "Engine peers connected now."),
+    "engine_region_bytes": ("gauge", "kvwire_engine_region_bytes", ("kind",),
+                            "Engine-registered bytes now: engine (allocated), host (pageable), pinned "
+                            "(KV caches, staging pools and landing mirrors)."),
 }
 
 DECOMPOSITION_PARTS = ["wait_for_p", "reservation_wait", "exposed_transfer", "report_delay",
@@ -179,6 +182,8 @@ def flatten_engine(m: dict) -> tuple[dict, dict, dict]:
     h = {"engine_batch_latency": {"buckets": buckets, "sum": total, "count": count}}
     g = {"engine_inflight_bytes": m["inflight_bytes"], "engine_inflight_batches": m["inflight_batches"],
          "engine_peers": m["peers_connected"]}
+    for kind, n in m.get("region_bytes_by_kind", {}).items():
+        g[f"engine_region_bytes|{kind}"] = n
     return c, h, g
 
 
