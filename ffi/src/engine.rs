@@ -450,11 +450,12 @@ impl PyEngine {
 
     /// Registers caller memory `[addr, addr+length)` (e.g. a CPU tensor's `data_ptr()`).
     /// The range must be mapped read+write in this process (checked); the caller keeps it alive
-    /// until `unregister`.
-    #[pyo3(signature = (addr, length, access="rw"))]
-    fn register(&self, addr: u64, length: u64, access: &str) -> PyResult<PyRegion> {
+    /// until `unregister`. `pinned`: the memory is pinned by the CUDA driver (the metrics count
+    /// it as `pinned`, not `host`).
+    #[pyo3(signature = (addr, length, access="rw", pinned=false))]
+    fn register(&self, addr: u64, length: u64, access: &str, pinned: bool) -> PyResult<PyRegion> {
         let a = parse_access(access)?;
-        let handle = rawmem::register(&self.engine, addr, length, a).map_err(to_py)?;
+        let handle = rawmem::register(&self.engine, addr, length, a, pinned).map_err(to_py)?;
         Ok(PyRegion {
             handle,
             len: length,

@@ -59,12 +59,14 @@ pub fn check_mapped(ptr: u64, len: u64) -> Result<(), String> {
     ))
 }
 
-/// Registers caller memory after checking that it is mapped.
+/// Registers caller memory after checking that it is mapped (`pinned`: the caller pinned it
+/// with the CUDA driver; only the metrics use it).
 pub fn register(
     engine: &Engine,
     ptr: u64,
     len: u64,
     access: Access,
+    pinned: bool,
 ) -> Result<RegionHandle, Error> {
     check_mapped(ptr, len).map_err(Error::InvalidArgument)?;
     let len = usize::try_from(len)
@@ -73,7 +75,13 @@ pub fn register(
     // lifetime is the caller's promise (documented on every Python entry point that takes an
     // address): the memory stays valid until it is unregistered. We never create Rust
     // references into it; the engine copies through raw pointers only.
-    unsafe { engine.register_raw(ptr as *mut u8, len, access) }
+    unsafe {
+        if pinned {
+            engine.register_raw_pinned(ptr as *mut u8, len, access)
+        } else {
+            engine.register_raw(ptr as *mut u8, len, access)
+        }
+    }
 }
 
 /// A zeroed, page-aligned heap buffer owned by the Mooncake drop-in (`allocate_managed_buffer`).

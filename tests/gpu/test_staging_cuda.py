@@ -120,11 +120,18 @@ def test_landing_into_a_cuda_cache_reports_after_the_copy(pair):
     assert torch.equal(dev.cpu(), exp)
 
 
-def test_pinned_host_memory_is_counted_as_pinned(pair):
-    """The engine's metrics tell pinned host memory (what staging registers) from pageable."""
-    e, _ = pair
-    pinned = torch.zeros(1 << 20, dtype=torch.uint8).pin_memory()
+
+def test_staging_memory_is_counted_as_pinned(pair):
+    """What staging pins (P's pool, D's landing mirror: as large as the KV cache) is counted as
+    pinned in the engines' metrics; a pageable buffer registered beside it as host."""
+    pe, de = pair
+    cache = cuda_cache()
+    p_st = Staging(pe, DEV, 8 * 2 * BB, producer=True, consumer=False)
+    p_st.add_layer("l0", cache, 2, BLOCKS, BB)
+    d_st = Staging(de, DEV, 1 << 20, producer=False, consumer=True)
+    d_st.add_layer("l0", cache, 2, BLOCKS, BB)
     pageable = torch.zeros(3 << 10, dtype=torch.uint8)
-    kvwire.register_tensor(e, pinned, "rw")
-    kvwire.register_tensor(e, pageable, "rw")
-    assert e.metrics()["region_bytes_by_kind"] == {"engine": 0, "host": 3 << 10, "pinned": 1 << 20}
+    kvwire.register_tensor(pe, pageable, "rw")
+    assert pe.metrics()["region_bytes_by_kind"] == {"engine": 0, "host": 3 << 10, "pinned": 8 * 2 * BB}
+    mirror = cache.numel() * cache.element_size()
+    assert de.metrics()["region_bytes_by_kind"] == {"engine": 0, "host": 0, "pinned": mirror}

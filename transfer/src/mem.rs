@@ -23,7 +23,7 @@ enum Backing {
     Memfd(OwnedFd),
     /// A mapping of some fd (a peer's memfd), unmapped on drop.
     Mapped,
-    /// Memory owned by the caller; `true` when it is pinned (page-locked by the CUDA driver).
+    /// Memory owned by the caller; `true` when the caller said it is pinned by the CUDA driver.
     Raw(bool),
 }
 
@@ -34,7 +34,8 @@ pub enum MemKind {
     Engine,
     /// The caller's memory, pageable.
     Host,
-    /// The caller's memory, pinned by the CUDA driver (`cudaHostAlloc`, `cudaHostRegister`).
+    /// The caller's memory, pinned by the CUDA driver (`cudaHostAlloc`, `cudaHostRegister`), as
+    /// the caller declared at registration.
     Pinned,
     /// A mapping of a peer's memory.
     Mapped,

@@ -37,12 +37,13 @@ from kvwire._kvwire import (  # noqa: F401
 from kvwire.errors import *  # noqa: E402,F401,F403
 
 
-def register_tensor(engine, tensor, access="rw"):
+def register_tensor(engine, tensor, access="rw", pinned=False):
     """Registers a contiguous tensor's memory (``data_ptr()``, ``nbytes``).
 
     * CPU tensor: registered with ``engine`` (an :class:`Engine`, or a :class:`CudaStager`
       whose engine is used); returns a :class:`Region` with ``access`` for peers. The tensor
-      must stay alive until the region is unregistered.
+      must stay alive until the region is unregistered. ``pinned``: the caller pinned it with
+      CUDA (the engine's metrics count it as pinned host memory).
     * CUDA tensor: registered with ``engine`` if it is a :class:`CudaStager` (on the tensor's
       device), else with a new ``CudaStager(engine, device=<the tensor's device>)``; returns a
       :class:`CudaSource` for :meth:`Engine.layer_stream`, which keeps the tensor alive.
@@ -68,7 +69,7 @@ def register_tensor(engine, tensor, access="rw"):
             f"only CPU and CUDA tensors can be registered, got device {device}")
     if isinstance(engine, CudaStager):
         engine = engine.engine
-    return engine.register(tensor.data_ptr(), nbytes, access)
+    return engine.register(tensor.data_ptr(), nbytes, access, pinned)
 
 
 __all__ = [

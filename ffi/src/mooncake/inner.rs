@@ -105,7 +105,7 @@ impl Inner {
                 )));
             }
         }
-        let h = rawmem::register(&self.engine, addr, len, Access::ReadWrite)?;
+        let h = rawmem::register(&self.engine, addr, len, Access::ReadWrite, false)?;
         local.regions.insert(addr, (h, len));
         if let Some(m) = managed {
             local.managed.insert(addr, m);

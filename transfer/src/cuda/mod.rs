@@ -28,12 +28,11 @@
 //! [`gpudirect_rdma_supported`] says whether the device claims support.
 //!
 //! [`ipc`]: device memory shared with another process of this host (CUDA IPC) and copies
-//! into it on the device. [`pointer`]: whether host memory is pinned (for the metrics).
+//! into it on the device.
 //!
 //! All `unsafe` for CUDA lives in this module.
 
 pub mod ipc;
-pub mod pointer;
 
 use std::sync::{Arc, OnceLock};
 
@@ -378,7 +377,7 @@ impl CudaStager {
             ptrs.push(PinnedPtr(p as usize));
             // SAFETY: `p` is `buffer_len` bytes of host memory we own; it stays allocated
             // until the pool's release closure unregisters the region and then frees it.
-            match unsafe { engine.register_raw(p, buffer_len, Access::Local) } {
+            match unsafe { engine.register_raw_pinned(p, buffer_len, Access::Local) } {
                 Ok(region) => bufs.push(StagingBuffer {
                     region,
                     len: buffer_len as u64,

@@ -49,8 +49,7 @@ impl Engine {
         self.core().add_region(Arc::new(mem), access)
     }
 
-    /// Registers caller-owned memory (counted as pinned in the metrics when the CUDA driver
-    /// has pinned it).
+    /// Registers caller-owned memory (counted as `host` memory in the metrics).
     ///
     /// # Safety
     /// `ptr..ptr+len` must stay valid for reads and writes until [`Engine::unregister`] of the
@@ -65,11 +64,40 @@ impl Engine {
         access: Access,
     ) -> Result<RegionHandle, Error> {
         // SAFETY: forwarded contract of this function.
+        unsafe { self.register_caller(ptr, len, access, false) }
+    }
+
+    /// [`Engine::register_raw`] for host memory the caller pinned with the CUDA driver
+    /// (`cudaHostAlloc`, `cudaHostRegister`): the same, counted as `pinned` in the metrics.
+    /// The caller says so because the driver cannot: where pageable memory is accessible to the
+    /// GPU (HMM), it reports pageable and pinned host memory alike.
+    ///
+    /// # Safety
+    /// As [`Engine::register_raw`].
+    #[allow(unsafe_code)] // the caller's contract, forwarded to `RegionMem::from_raw`
+    pub unsafe fn register_raw_pinned(
+        &self,
+        ptr: *mut u8,
+        len: usize,
+        access: Access,
+    ) -> Result<RegionHandle, Error> {
+        // SAFETY: forwarded contract of this function.
+        unsafe { self.register_caller(ptr, len, access, true) }
+    }
+
+    #[allow(unsafe_code)] // the callers' contract, forwarded to `RegionMem::from_raw`
+    unsafe fn register_caller(
+        &self,
+        ptr: *mut u8,
+        len: usize,
+        access: Access,
+        pinned: bool,
+    ) -> Result<RegionHandle, Error> {
+        // SAFETY: forwarded contract of the two public callers.
         let mem = unsafe { RegionMem::from_raw(ptr, len) }
             .map_err(|e| Error::InvalidArgument(e.to_string()))?;
-        #[cfg(feature = "cuda")]
-        let mem = mem.with_pinned(crate::cuda::pointer::is_pinned(ptr as usize));
-        self.core().add_region(Arc::new(mem), access)
+        self.core()
+            .add_region(Arc::new(mem.with_pinned(pinned)), access)
     }
 
     /// Unregisters a region; its handle and id become stale everywhere.

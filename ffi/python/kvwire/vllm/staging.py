@@ -268,7 +268,7 @@ class Staging:
             if self.pool.capacity == 0:
                 raise kvwire.InvalidArgumentError(f"staging pool of {pool_bytes} bytes holds nothing (minimum {ALIGN})")
             self.pool_mem = self.dev.host((self.pool.capacity,), torch.uint8)
-            self.pool_region = kvwire.register_tensor(engine, self.pool_mem, "local")
+            self.pool_region = kvwire.register_tensor(engine, self.pool_mem, "local", pinned=self.dev.cuda)
         self.queue: deque[_Piece] = deque()  # waiting for pool space, FIFO
         self.inflight: list[_Piece] = []  # copying or writing, in admission order
         self.finished: list = []  # (tag, ok, nbytes) not yet taken by reap
@@ -290,7 +290,7 @@ class Staging:
         region = None
         if self.consumer:
             lay.mirror = self.dev.host(tuple(cache.shape), cache.dtype)
-            region = kvwire.register_tensor(self.engine, lay.mirror, "rw")
+            region = kvwire.register_tensor(self.engine, lay.mirror, "rw", pinned=self.dev.cuda)
         self.layers[name] = lay
         return region
 
