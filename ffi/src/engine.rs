@@ -509,8 +509,9 @@ impl PyEngine {
     }
 
     /// Fences the peer engine listening at `"host:port"` (as it announced itself): closes every
-    /// connection between it and this engine, refuses its handshakes and lane joins from then
-    /// on (`FencedError`), and returns once none of its copies into this engine's memory is
+    /// connection between it and this engine, refuses its process's handshakes and lane joins
+    /// from then on (`FencedError`; a restarted peer there is another process and is accepted),
+    /// and returns once none of its copies into this engine's memory is
     /// still running (GIL released). See `kvwire_transfer::Engine::fence`.
     fn fence(&self, py: Python<'_>, addr: &str) -> PyResult<()> {
         let a = parse_addr(addr)?;

@@ -59,18 +59,29 @@ def busy(ms_of_work=200):
 
 @pytest.fixture
 def pair():
-    """P's and D's engines, in this process; shut down after the test."""
+    """P's and D's engines, in this process, and a maker of stagings on them. After the test the
+    engines shut down, then the stagings close (unpinning their host memory: left pinned, a later
+    test's buffer at a freed address could not be pinned again)."""
     t = os.environ.get("KVWIRE_TEST_TRANSPORT", "auto")
     p, d = kvwire.Engine(transport=t), kvwire.Engine(transport=t)
-    yield p, d
+    made = []
+
+    def staging(engine, pool_bytes, producer):
+        st = Staging(engine, DEV, pool_bytes, producer=producer, consumer=not producer)
+        made.append(st)
+        return st
+
+    yield p, d, staging
     p.shutdown()
     d.shutdown()
+    for st in made:
+        st.close()
 
 
 def test_staged_send_from_a_cuda_cache_waits_for_the_layer(pair):
-    pe, de = pair
+    pe, de, staging = pair
     src = cuda_cache()
-    st = Staging(pe, DEV, 8 * 2 * BB, producer=True, consumer=False)
+    st = staging(pe, 8 * 2 * BB, True)
     st.add_layer("l0", src, 2, BLOCKS, BB)
     dst = torch.zeros(2, BLOCKS, TOK, HEADS, DIM, dtype=torch.float16)  # D: a host cache
     kvwire.register_tensor(de, dst, "rw")
@@ -95,9 +106,9 @@ def test_staged_send_from_a_cuda_cache_waits_for_the_layer(pair):
 
 
 def test_landing_into_a_cuda_cache_reports_after_the_copy(pair):
-    pe, de = pair
+    pe, de, staging = pair
     dev = cuda_cache()
-    st = Staging(de, DEV, 1 << 20, producer=False, consumer=True)
+    st = staging(de, 1 << 20, False)
     region = st.add_layer("l0", dev, 2, BLOCKS, BB)
     assert region is not None and region.len == dev.numel() * 2  # the host mirror
     data = torch.rand(dev.shape, generator=torch.Generator().manual_seed(3)).to(torch.float16)
@@ -124,12 +135,10 @@ def test_landing_into_a_cuda_cache_reports_after_the_copy(pair):
 def test_staging_memory_is_counted_as_pinned(pair):
     """What staging pins (P's pool, D's landing mirror: as large as the KV cache) is counted as
     pinned in the engines' metrics; a pageable buffer registered beside it as host."""
-    pe, de = pair
+    pe, de, staging = pair
     cache = cuda_cache()
-    p_st = Staging(pe, DEV, 8 * 2 * BB, producer=True, consumer=False)
-    p_st.add_layer("l0", cache, 2, BLOCKS, BB)
-    d_st = Staging(de, DEV, 1 << 20, producer=False, consumer=True)
-    d_st.add_layer("l0", cache, 2, BLOCKS, BB)
+    staging(pe, 8 * 2 * BB, True).add_layer("l0", cache, 2, BLOCKS, BB)
+    staging(de, 1 << 20, False).add_layer("l0", cache, 2, BLOCKS, BB)
     pageable = torch.zeros(3 << 10, dtype=torch.uint8)
     kvwire.register_tensor(pe, pageable, "rw")
     assert pe.metrics()["region_bytes_by_kind"] == {"engine": 0, "host": 3 << 10, "pinned": 8 * 2 * BB}
