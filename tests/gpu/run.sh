@@ -15,7 +15,9 @@
 #      shm, every round verified byte for byte.
 #   3. tests/gpu/test_staging_cuda.py (the kvwire wheel from PREBUILT, torch from the machine):
 #      the connector's staging with CUDA KV caches: P's gather copy ordered after the layer's
-#      kernels (sent without a synchronize), D's landing copy reported only once complete.
+#      kernels (sent without a synchronize), D's landing copy reported only once complete; and
+#      the CUDA tests of tests/python/test_engine_layer.py (a CUDA tensor as a layer-stream
+#      source from Python, every byte checked).
 #   4. kvwire-bench cuda-ipc: copies into a second process's device memory over CUDA IPC next
 #      to device-to-device copies within one process, same bytes and GPU, 64 KiB to 1 GiB
 #      chunks, both destinations checksummed against the source.
@@ -73,7 +75,8 @@ fi
 if [[ -n "$WHEEL" ]]; then
   SITE=$(mktemp -d)
   python3 -m pip install -q --no-index --no-deps --no-compile --target "$SITE" "$WHEEL"
-  step staging-cuda env PYTHONPATH="$SITE" python3 -m pytest -q -p no:cacheprovider -rs tests/gpu/test_staging_cuda.py
+  step staging-cuda env PYTHONPATH="$SITE" KVWIRE_REQUIRE_CUDA=1 python3 -m pytest -q -p no:cacheprovider -rs \
+    tests/gpu/test_staging_cuda.py tests/python/test_engine_layer.py -k "cuda or staging or pinned"
 else
   echo "FAIL: no kvwire wheel (tests/gpu/build.sh makes one)" | tee "$OUT/staging-cuda.txt"
   RC[staging-cuda]=1
