@@ -4,9 +4,10 @@
 //!
 //! - [`DeviceBuffer`]: device memory from `cuMemAlloc` (exportable; stream-ordered pool memory,
 //!   which cudarc's own allocations may use, is not).
-//! - [`export`]: the owner names an allocation made by `cuMemAlloc`/`cudaMalloc` (PyTorch's
-//!   caching allocator without expandable segments) with a 64-byte IPC handle; the handle
-//!   names the whole allocation, so the range exported travels as (handle, offset, length).
+//! - [`DeviceBuffer::export`]: the owner names its allocation with a 64-byte IPC handle (an
+//!   allocation from `cuMemAlloc`/`cudaMalloc`, as PyTorch's caching allocator makes without
+//!   expandable segments); the handle names the whole allocation, so the range exported
+//!   travels as (handle, offset, length).
 //! - [`IpcMapping`]: the other process opens the handle once (`cuIpcOpenMemHandle`, peer access
 //!   enabled lazily) and closes it when dropped; [`IpcMapping::range`] is the only way to an
 //!   address inside it, bounds-checked against the range exported.
@@ -42,9 +43,8 @@ pub struct IpcExport {
 /// Exports `len` bytes of device memory at `dptr` on `ctx`'s device.
 ///
 /// # Safety
-/// `dptr..dptr+len` must be device memory of `ctx` that stays allocated while any process
-/// holds the mapping of the handle.
-pub unsafe fn export(ctx: &CudaContext, dptr: u64, len: u64) -> Result<IpcExport, CudaError> {
+/// `dptr..dptr+len` must be device memory of `ctx` that stays allocated while this call runs.
+unsafe fn export(ctx: &CudaContext, dptr: u64, len: u64) -> Result<IpcExport, CudaError> {
     if !driver_present() {
         return Err(CudaError::NoDriver);
     }
@@ -142,10 +142,10 @@ impl DeviceBuffer {
         Ok(())
     }
 
-    /// Exports the whole buffer for another process of this host ([`export`]). The driver
-    /// keeps the memory of an exported allocation for as long as another process has it open,
-    /// so dropping the buffer first frees nothing under the importer; withdrawing it from the
-    /// importer before reusing it for other bytes is the caller's protocol.
+    /// Exports the whole buffer for another process of this host. Keeping the buffer alive
+    /// while another process has the handle open, and withdrawing it from that process before
+    /// its memory serves other bytes, is the caller's protocol (as for regions offered to
+    /// same-host peers): the driver does not stop an importer's copies.
     pub fn export(&self) -> Result<IpcExport, CudaError> {
         // SAFETY: our allocation, of this length, alive while `self` is.
         unsafe { export(&self.ctx, self.ptr, self.len as u64) }

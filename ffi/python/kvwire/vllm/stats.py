@@ -182,7 +182,7 @@ def flatten_engine(m: dict) -> tuple[dict, dict, dict]:
     h = {"engine_batch_latency": {"buckets": buckets, "sum": total, "count": count}}
     g = {"engine_inflight_bytes": m["inflight_bytes"], "engine_inflight_batches": m["inflight_batches"],
          "engine_peers": m["peers_connected"]}
-    for kind, n in m.get("region_bytes_by_kind", {}).items():
+    for kind, n in m["region_bytes_by_kind"].items():
         g[f"engine_region_bytes|{kind}"] = n
     return c, h, g
 
