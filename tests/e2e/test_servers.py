@@ -37,6 +37,7 @@ LONG = 1500  # three chunks
 POLICIES = ("eager", "lazy", "jit", "land")
 MODES = ("whole", "layerwise")
 WAIT_S = 180.0
+MAX_MODEL_LEN = 4096
 
 
 def wait_for(cond, timeout=WAIT_S, step=0.2):
@@ -53,7 +54,7 @@ class Cluster:
         self.p_control, self.d_control = free_port(), free_port()
         self.bootstrap = free_port()
         common = {"async_scheduling": ASYNC, "log_dir": root, "max_num_batched_tokens": BATCHED,
-                  "num_blocks": 512, "max_model_len": 4096, "log_stats": True}
+                  "num_blocks": 512, "max_model_len": MAX_MODEL_LEN, "log_stats": True}
 
         def kt(role, ctl, **extra):
             return {"kv_connector": "KvwireConnector", "kv_connector_module_path": "kvwire.vllm", "kv_role": role,
@@ -257,9 +258,11 @@ def test_prefix_hit_never_writes_a_cached_block_a_running_request_reads(cluster)
     a, _ = cluster.pd(base, f"hit1-{ASYNC}", "lazy", "layerwise")
     assert a == cluster.single_output(base, 5)
     shared = base + a
-    # The reader's 1500 decode steps outlast turn 2, which needs a few of D's steps; the step
-    # order below checks it did.
-    th, out = in_thread(cluster.d.complete, shared, 1500, request_id=tag, timeout=WAIT_S)
+    # The reader decodes as long as the model length lets it (about 2900 steps), to outlast
+    # turn 2, which needs a few of D's steps; the step order below checks it did (1500 steps
+    # once ended just before turn 2's first one, in a CI run).
+    n_reader = MAX_MODEL_LEN - len(shared) - 16
+    th, out = in_thread(cluster.d.complete, shared, n_reader, request_id=tag, timeout=WAIT_S)
     try:
         assert wait_for(lambda: steps_of(cluster.d_ctl, tag) > 1), "the reader does not run"
         nxt = shared + prompt_of(300, 323)
@@ -272,7 +275,7 @@ def test_prefix_hit_never_writes_a_cached_block_a_running_request_reads(cluster)
     assert "error" not in out, out
     reader, turn2 = step_indexes(cluster.d_ctl, tag), step_indexes(cluster.d_ctl, f"hittwo{int(ASYNC)}")
     assert turn2 and reader[0] < turn2[0] < reader[-1], "the reader did not run across turn 2"
-    assert out["value"]["tokens"] == cluster.single_output(shared, 1500), "the reader read a changed block"
+    assert out["value"]["tokens"] == cluster.single_output(shared, n_reader), "the reader read a changed block"
     assert wait_for(cluster.d_idle)
 
 
