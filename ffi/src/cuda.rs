@@ -253,3 +253,21 @@ pub(crate) fn readiness(
         Ok(Box::new(Immediate))
     }
 }
+
+/// Registers `len` bytes of device memory at `addr` (device `device`) with `engine` as a device
+/// region (for same-host peers with the `cuda_ipc` transport). A wrong address is refused by the
+/// driver's lookup of its allocation (`InvalidArgumentError` or `CudaError`), not dereferenced.
+pub(crate) fn register_device_region(
+    engine: &kvwire_transfer::Engine,
+    addr: u64,
+    len: u64,
+    access: kvwire_transfer::Access,
+    device: usize,
+) -> PyResult<kvwire_transfer::RegionHandle> {
+    let len = usize::try_from(len).map_err(|_| invalid("length too large"))?;
+    let ctx = cuda::context(device).map_err(cuda_to_py)?;
+    // SAFETY: the caller's contract, stated in `Engine.register_device`'s documentation: the
+    // memory stays allocated until the region is unregistered. The driver checks that `addr`
+    // names a device allocation of `len` bytes before anything is registered.
+    unsafe { cuda::register_device_region(engine, &ctx, addr, len, access) }.map_err(cuda_to_py)
+}

@@ -41,16 +41,17 @@ pub fn access_name(a: Access) -> &'static str {
     }
 }
 
-/// Parses a transport name: `"auto"`, `"tcp"`, `"shm"`.
+/// Parses a transport name: `"auto"`, `"tcp"`, `"shm"`, `"rdma"`, `"cuda_ipc"`.
 pub fn parse_transport(s: &str) -> PyResult<TransportKind> {
     Ok(match s.to_ascii_lowercase().as_str() {
         "auto" => TransportKind::Auto,
         "tcp" => TransportKind::Tcp,
         "shm" => TransportKind::Shm,
         "rdma" => TransportKind::Rdma,
+        "cuda_ipc" => TransportKind::CudaIpc,
         other => {
             return Err(invalid(format!(
-                "unknown transport {other:?} (auto, tcp, shm, rdma)"
+                "unknown transport {other:?} (auto, tcp, shm, rdma, cuda_ipc)"
             )))
         }
     })
@@ -63,6 +64,7 @@ pub fn transport_name(t: TransportKind) -> &'static str {
         TransportKind::Tcp => "tcp",
         TransportKind::Shm => "shm",
         TransportKind::Rdma => "rdma",
+        TransportKind::CudaIpc => "cuda_ipc",
         #[allow(unreachable_patterns)]
         _ => "other",
     }
@@ -456,6 +458,30 @@ impl PyEngine {
     fn register(&self, addr: u64, length: u64, access: &str, pinned: bool) -> PyResult<PyRegion> {
         let a = parse_access(access)?;
         let handle = rawmem::register(&self.engine, addr, length, a, pinned).map_err(to_py)?;
+        Ok(PyRegion {
+            handle,
+            len: length,
+            addr: Some(addr),
+            access: access_name(a),
+        })
+    }
+
+    /// Registers `length` bytes of CUDA device memory at `addr` on device `device` (a CUDA
+    /// tensor's `data_ptr()`), for same-host peers whose engines use the `cuda_ipc` transport:
+    /// their writes and reads of it run on the GPU's copy engines. The memory must lie in one
+    /// `cudaMalloc` allocation (PyTorch's caching allocator without expandable segments) and
+    /// stay allocated until the region is unregistered. Host copies of it (`local_read`,
+    /// tcp and shm peers) are refused.
+    #[pyo3(signature = (addr, length, access="rw", device=0))]
+    fn register_device(
+        &self,
+        addr: u64,
+        length: u64,
+        access: &str,
+        device: usize,
+    ) -> PyResult<PyRegion> {
+        let a = parse_access(access)?;
+        let handle = crate::cuda::register_device_region(&self.engine, addr, length, a, device)?;
         Ok(PyRegion {
             handle,
             len: length,

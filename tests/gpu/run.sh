@@ -10,14 +10,20 @@
 #      an async upload on a compute stream and announced with a CUDA event recorded after it;
 #      staged through pinned host buffers (cuStreamWaitEvent + cuMemcpyDtoHAsync on a side
 #      stream) and streamed to a second process over tcp and over shm; the target hashes its
-#      whole region and compares with the expected image.
+#      whole region and compares with the expected image. Then
+#      transfer/tests/cuda_ipc.rs: the cuda_ipc transport between two processes (device
+#      regions written and read with the copy engines, mixed with host regions, out-of-bounds
+#      and tcp-into-device refused; every byte checked by both processes), with its GB/s next
+#      to device-to-device copies within one process (lines `FIGURE`).
 #   2. kvwire-bench layerwise: whole vs layerwise exposed tail, host and device memory, tcp and
 #      shm, every round verified byte for byte.
 #   3. tests/gpu/test_staging_cuda.py (the kvwire wheel from PREBUILT, torch from the machine):
 #      the connector's staging with CUDA KV caches: P's gather copy ordered after the layer's
 #      kernels (sent without a synchronize), D's landing copy reported only once complete; and
 #      the CUDA tests of tests/python/test_engine_layer.py (a CUDA tensor as a layer-stream
-#      source from Python, every byte checked).
+#      source from Python, every byte checked); tests/gpu/test_cuda_ipc.py: the cuda_ipc
+#      transport from Python (CUDA tensors of two processes registered as device regions,
+#      written, read back and checked at both ends).
 #   4. kvwire-bench cuda-ipc: copies into a second process's device memory over CUDA IPC next
 #      to device-to-device copies within one process, same bytes and GPU, 64 KiB to 1 GiB
 #      chunks, both destinations checksummed against the source.
@@ -26,7 +32,7 @@
 # the script fails when any did.
 #
 # Usage: tests/gpu/run.sh [OUTDIR]            (builds with cargo, release)
-#        PREBUILT=DIR tests/gpu/run.sh [OUTDIR] (uses DIR/layer_stream and DIR/kvwire-bench,
+#        PREBUILT=DIR tests/gpu/run.sh [OUTDIR] (uses DIR/layer_stream, DIR/cuda_ipc and DIR/kvwire-bench,
 #                                               e.g. built elsewhere by tests/gpu/build.sh)
 set -euo pipefail
 cd "$(dirname "$0")/../.."
@@ -40,12 +46,15 @@ echo "$GPU"
 
 if [[ -n "${PREBUILT:-}" ]]; then
   TEST_BIN="$PREBUILT/layer_stream"
+  IPC_BIN="$PREBUILT/cuda_ipc"
   BENCH_BIN="$PREBUILT/kvwire-bench"
 else
   export CARGO_TARGET_DIR=${CARGO_TARGET_DIR:-$(pwd)/target-gpu}
   cargo build --release -p kvwire-bench
   TEST_BIN=$(cargo test --release -p kvwire-transfer --test layer_stream --no-run --message-format=json 2>/dev/null \
     | sed -n 's/.*"executable":"\([^"]*layer_stream[^"]*\)".*/\1/p' | tail -n 1)
+  IPC_BIN=$(cargo test --release -p kvwire-transfer --test cuda_ipc --no-run --message-format=json 2>/dev/null \
+    | sed -n 's/.*"executable":"\([^"]*cuda_ipc-[^"]*\)".*/\1/p' | tail -n 1)
   BENCH_BIN="$CARGO_TARGET_DIR/release/kvwire-bench"
 fi
 
@@ -60,7 +69,14 @@ step() { # step NAME CMD...: runs CMD, its output into $OUT/NAME.txt, its exit s
   set -e
 }
 
-step gpu-test "$TEST_BIN" --exact cuda_device_kv_streams_layers --nocapture --test-threads=1
+both() { # the layer stream from device memory, then the cuda_ipc transport; fails if either did
+  "$TEST_BIN" --exact cuda_device_kv_streams_layers --nocapture --test-threads=1
+  local a=$?
+  "$IPC_BIN" --exact cuda_ipc_moves_device_bytes_between_processes --nocapture --test-threads=1
+  local b=$?
+  return $((a | b))
+}
+step gpu-test both
 step layer-tests "$TEST_BIN" --test-threads=4
 step layerwise "$BENCH_BIN" layerwise --json "$OUT/layerwise.json" --layers 32 --layer-bytes 4194304 --rounds 7
 if [[ ${RC[layerwise]} == 0 ]] && ! grep -q "memory = cuda\|cuda/layerwise" "$OUT/layerwise.txt"; then
@@ -76,7 +92,8 @@ if [[ -n "$WHEEL" ]]; then
   SITE=$(mktemp -d)
   python3 -m pip install -q --no-index --no-deps --no-compile --target "$SITE" "$WHEEL"
   step staging-cuda env PYTHONPATH="$SITE" KVWIRE_REQUIRE_CUDA=1 python3 -m pytest -q -p no:cacheprovider -rs \
-    tests/gpu/test_staging_cuda.py tests/python/test_engine_layer.py -k "cuda or staging or pinned"
+    tests/gpu/test_staging_cuda.py tests/gpu/test_cuda_ipc.py tests/python/test_engine_layer.py \
+    -k "cuda or staging or pinned"
 else
   echo "FAIL: no kvwire wheel (tests/gpu/build.sh makes one)" | tee "$OUT/staging-cuda.txt"
   RC[staging-cuda]=1

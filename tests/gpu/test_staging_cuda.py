@@ -141,6 +141,6 @@ def test_staging_memory_is_counted_as_pinned(pair):
     staging(de, 1 << 20, False).add_layer("l0", cache, 2, BLOCKS, BB)
     pageable = torch.zeros(3 << 10, dtype=torch.uint8)
     kvwire.register_tensor(pe, pageable, "rw")
-    assert pe.metrics()["region_bytes_by_kind"] == {"engine": 0, "host": 3 << 10, "pinned": 8 * 2 * BB}
+    assert pe.metrics()["region_bytes_by_kind"] == {"engine": 0, "host": 3 << 10, "pinned": 8 * 2 * BB, "device": 0}
     mirror = cache.numel() * cache.element_size()
-    assert de.metrics()["region_bytes_by_kind"] == {"engine": 0, "host": 0, "pinned": mirror}
+    assert de.metrics()["region_bytes_by_kind"] == {"engine": 0, "host": 0, "pinned": mirror, "device": 0}

@@ -303,6 +303,15 @@ def test_cuda_without_driver_is_typed():
             kvwire.CudaStager(e, device=1, buffers=2, buffer_mb=1)
         with pytest.raises(kvwire.UnsupportedError, match="CUDA"):
             kvwire.register_tensor(e, _FakeCudaTensor())
+        # Device regions for the cuda_ipc transport: the same typed refusal.
+        with pytest.raises(kvwire.UnsupportedError, match="CUDA"):
+            kvwire.register_tensor(e, _FakeCudaTensor(), ipc=True)
+        with pytest.raises(kvwire.UnsupportedError, match="CUDA"):
+            e.register_device(0x7F0000000000, 4096)
+        with pytest.raises(kvwire.UnsupportedError, match="CUDA"):
+            kvwire.Engine(transport="cuda_ipc")
+        with pytest.raises(kvwire.InvalidArgumentError):
+            kvwire.Engine(transport="nvlink")
         with pytest.raises(kvwire.InvalidArgumentError):
             kvwire.CudaStager(e, buffers=0)  # arguments are checked first
     finally:

@@ -115,9 +115,9 @@ def test_region_bytes_by_kind():
     buf = ctypes.create_string_buffer(5000)
     r = e.register(ctypes.addressof(buf), 5000, "rw")
     m = e.metrics()
-    assert m["region_bytes_by_kind"] == {"engine": 3 * 4096, "host": 5000, "pinned": 0}
+    assert m["region_bytes_by_kind"] == {"engine": 3 * 4096, "host": 5000, "pinned": 0, "device": 0}
     assert 'kvwire_region_bytes_by_kind{kind="host"} 5000' in m["prometheus_text"]
     e.unregister(r)
-    assert e.metrics()["region_bytes_by_kind"] == {"engine": 3 * 4096, "host": 0, "pinned": 0}
+    assert e.metrics()["region_bytes_by_kind"] == {"engine": 3 * 4096, "host": 0, "pinned": 0, "device": 0}
     e.unregister(a)
     e.shutdown()

@@ -272,7 +272,7 @@ def test_landing_copies_mirror_to_device_before_reporting(engines):
     region = st.add_layer("l0", dev, 2, 8, BB)
     assert region is not None and region.len == dev.numel() * 4  # the mirror: the cache's layout
     # pageable on CPU (pinned with a CUDA cache: tests/gpu/test_staging_cuda.py)
-    assert de.metrics()["region_bytes_by_kind"] == {"engine": 0, "host": dev.numel() * 4, "pinned": 0}
+    assert de.metrics()["region_bytes_by_kind"] == {"engine": 0, "host": dev.numel() * 4, "pinned": 0, "device": 0}
     data = cache(8, fill=3)
     pr = kvwire.register_tensor(pe, data, "rw")
     peer = pe.connect(de.listen_addr)

@@ -24,6 +24,7 @@ fn main() -> std::io::Result<()> {
         fd: -1,
         ino: 0,
         rkey: 0,
+        ipc: None,
     };
     let host = HostIdentity {
         boot_id: "b".into(),

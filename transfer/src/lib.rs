@@ -18,10 +18,12 @@
 //! * `metrics`: counters, [`MetricsSnapshot`], the Prometheus endpoint;
 //! * `batch`: [`Batch`] completion, deadlines, what a transport is handed;
 //! * `ctrl`: the serialized writer of a peer's control connection;
-//! * `transport`: the transport traits and the `tcp`, `shm` and `rdma` transports;
+//! * `transport`: the transport traits and the `tcp`, `shm`, `rdma` and `cuda_ipc` transports
+//!   (`cuda_ipc` uses only the driver layer of `cuda`: `cuda/driver.rs`, `cuda/ipc.rs`);
 //! * `engine`: [`Engine`] and [`Peer`] (handshake, control connection, regions, submit);
 //! * `layer`: layer streams ([`layer::LayerStream`]);
-//! * `cuda`: CUDA device memory for layer streams (feature `cuda`).
+//! * `cuda`: CUDA device memory (feature `cuda`): the driver and IPC layer under `cuda_ipc`, and,
+//!   above the engine, device regions and the staging of layer streams.
 //!
 //! Register memory as [`RegionHandle`]s, [`Engine::connect`] to peers (handshake with protocol
 //! version, mutual shared-secret proof and region descriptors), and move bytes with batches of
@@ -35,8 +37,10 @@
 //! or several verbs devices per engine, one-sided WRITE/READ striped over the queue pairs,
 //! every region registered as a memory region on every device so the NIC enforces its bounds;
 //! notifications follow the data over the control connection, with a fence the target answers;
-//! offered only when libibverbs loads at run time and a device is usable).
-//! [`TransportKind::Auto`] picks shm when both engines share a host, rdma when both offer it
+//! offered only when libibverbs loads at run time and a device is usable), and `cuda_ipc` for
+//! device regions of peers on one host (copies on the GPU, offered when the CUDA driver loads).
+//! [`TransportKind::Auto`] picks cuda_ipc towards a same-host peer when this engine has a
+//! device region, else shm when both engines share a host, rdma when both offer it
 //! (first, with [`EngineConfig::prefer_rdma`]), tcp otherwise.
 //!
 //! The `KVWIRE_*` environment variables apply only to configurations built with
@@ -109,6 +113,6 @@ pub use limits::{Limits, Resource};
 pub use metrics::MetricsSnapshot;
 pub use notify::{Notification, Notifications};
 pub use types::{
-    Access, BatchStats, Op, PeerId, RegionHandle, RegionId, RemoteRegion, TransportKind,
+    Access, BatchStats, DeviceIpc, Op, PeerId, RegionHandle, RegionId, RemoteRegion, TransportKind,
 };
 pub use wire::HostIdentity;

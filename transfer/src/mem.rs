@@ -12,11 +12,16 @@
 //!   passed to a same-host peer (shm transport), which maps it too;
 //! - raw regions: memory owned by the caller (`Engine::register_raw`), valid per that function's
 //!   safety contract;
-//! - mappings of a peer's memfd (shm transport), unmapped on drop.
+//! - mappings of a peer's memfd (shm transport), unmapped on drop;
+//! - device regions: CUDA device memory of the caller (`cuda::register_device`). The host
+//!   cannot dereference it, so every host-side copy refuses it (`ErrorKind::Unsupported`);
+//!   only the CUDA copies of the `cuda_ipc` transport reach it, through [`RegionMem::raw_addr`].
 
 use std::io;
 use std::os::fd::{AsFd, AsRawFd, BorrowedFd, FromRawFd, OwnedFd, RawFd};
 use std::sync::Arc;
+
+use crate::types::DeviceIpc;
 
 enum Backing {
     /// A memfd we created and mapped.
@@ -25,6 +30,8 @@ enum Backing {
     Mapped,
     /// Memory owned by the caller; `true` when the caller said it is pinned by the CUDA driver.
     Raw(bool),
+    /// CUDA device memory owned by the caller, on device `ordinal`, exported as `ipc`.
+    Device { ordinal: u32, ipc: DeviceIpc },
 }
 
 /// What a region's memory is, as the engine's metrics count it ([`RegionMem::kind`]).
@@ -39,11 +46,18 @@ pub enum MemKind {
     Pinned,
     /// A mapping of a peer's memory.
     Mapped,
+    /// The caller's CUDA device memory.
+    Device,
 }
 
 impl MemKind {
     /// The kinds a region of ours can have, in the order the metrics list them.
-    pub const REGION_KINDS: [MemKind; 3] = [MemKind::Engine, MemKind::Host, MemKind::Pinned];
+    pub const REGION_KINDS: [MemKind; 4] = [
+        MemKind::Engine,
+        MemKind::Host,
+        MemKind::Pinned,
+        MemKind::Device,
+    ];
 
     /// The metrics label.
     pub fn label(self) -> &'static str {
@@ -52,6 +66,7 @@ impl MemKind {
             MemKind::Host => "host",
             MemKind::Pinned => "pinned",
             MemKind::Mapped => "mapped",
+            MemKind::Device => "device",
         }
     }
 }
@@ -87,6 +102,13 @@ fn range_ok(off: u64, len: usize, total: usize) -> io::Result<usize> {
         Some(end) if end <= total => Ok(off_us),
         _ => Err(oob()),
     }
+}
+
+fn not_host() -> io::Error {
+    io::Error::new(
+        io::ErrorKind::Unsupported,
+        "device memory: the host cannot copy it (only the cuda_ipc transport can)",
+    )
 }
 
 fn oob() -> io::Error {
@@ -209,6 +231,55 @@ impl RegionMem {
         })
     }
 
+    /// Wraps caller-owned CUDA device memory on device `ordinal`, exported as `ipc`. No host
+    /// copy ever dereferences it.
+    ///
+    /// # Safety
+    /// `ptr..ptr+len` must be device memory of device `ordinal` that stays allocated for as
+    /// long as the returned value (or any clone of the `Arc` holding it) lives, and `ipc` must
+    /// name the allocation it lies in.
+    pub unsafe fn device(
+        ptr: u64,
+        len: usize,
+        ordinal: u32,
+        ipc: DeviceIpc,
+    ) -> io::Result<RegionMem> {
+        if ptr == 0 || len == 0 || ptr.checked_add(len as u64).is_none() {
+            return Err(io::Error::new(
+                io::ErrorKind::InvalidInput,
+                "null, empty or wrapping device region",
+            ));
+        }
+        Ok(RegionMem {
+            ptr: ptr as *mut u8,
+            len,
+            backing: Backing::Device { ordinal, ipc },
+        })
+    }
+
+    /// The device ordinal and IPC export of device memory; `None` for host memory.
+    pub fn device_ipc(&self) -> Option<(u32, DeviceIpc)> {
+        match self.backing {
+            Backing::Device { ordinal, ipc } => Some((ordinal, ipc)),
+            _ => None,
+        }
+    }
+
+    /// The address of `len` bytes at `off` (bounds checked), for a copy the CUDA driver makes
+    /// (device memory, or host memory through unified addressing). Only `cuda` uses it.
+    #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
+    pub(crate) fn raw_addr(&self, off: u64, len: usize) -> io::Result<u64> {
+        let o = range_ok(off, len, self.len)?;
+        Ok(self.ptr as u64 + o as u64)
+    }
+
+    fn host(&self) -> io::Result<()> {
+        match self.backing {
+            Backing::Device { .. } => Err(not_host()),
+            _ => Ok(()),
+        }
+    }
+
     /// Marks caller memory as pinned (for the metrics; nothing else depends on it).
     pub fn with_pinned(mut self, pinned: bool) -> RegionMem {
         if let Backing::Raw(p) = &mut self.backing {
@@ -224,6 +295,7 @@ impl RegionMem {
             Backing::Mapped => MemKind::Mapped,
             Backing::Raw(false) => MemKind::Host,
             Backing::Raw(true) => MemKind::Pinned,
+            Backing::Device { .. } => MemKind::Device,
         }
     }
 
@@ -264,6 +336,7 @@ impl RegionMem {
 
     /// Copies `data` into the region at `off`.
     pub fn copy_in(&self, off: u64, data: &[u8]) -> io::Result<()> {
+        self.host()?;
         let o = range_ok(off, data.len(), self.len)?;
         // SAFETY: o+data.len() <= self.len (checked above) and the memory is valid (type
         // invariant); `data` is a distinct Rust slice, so the ranges do not overlap.
@@ -273,6 +346,7 @@ impl RegionMem {
 
     /// Copies bytes at `off` out of the region into `out`.
     pub fn copy_out(&self, off: u64, out: &mut [u8]) -> io::Result<()> {
+        self.host()?;
         let o = range_ok(off, out.len(), self.len)?;
         // SAFETY: bounds checked above; `out` is an exclusive Rust slice outside region memory.
         unsafe { std::ptr::copy_nonoverlapping(self.ptr.add(o), out.as_mut_ptr(), out.len()) };
@@ -287,6 +361,8 @@ impl RegionMem {
         dst_off: u64,
         len: usize,
     ) -> io::Result<()> {
+        src.host()?;
+        dst.host()?;
         let s = range_ok(src_off, len, src.len)?;
         let d = range_ok(dst_off, len, dst.len)?;
         // SAFETY: both ranges are inside valid memory (checked); `copy` (memmove) is used because
@@ -297,6 +373,7 @@ impl RegionMem {
 
     /// Reads exactly `len` bytes from the stream `fd` straight into the region at `off`.
     pub fn recv_into(&self, fd: BorrowedFd<'_>, off: u64, len: usize) -> io::Result<()> {
+        self.host()?;
         let o = range_ok(off, len, self.len)?;
         let mut done = 0usize;
         while done < len {
@@ -338,7 +415,7 @@ impl Drop for RegionMem {
                 // (mmap rounds to pages the same way); nothing uses it after drop.
                 unsafe { libc::munmap(self.ptr as *mut libc::c_void, map_len) };
             }
-            Backing::Raw(_) => {}
+            Backing::Raw(_) | Backing::Device { .. } => {}
         }
     }
 }
@@ -366,6 +443,7 @@ pub fn send_parts(fd: BorrowedFd<'_>, parts: &[IoPart<'_>]) -> io::Result<()> {
                 }
             }
             IoPart::Region(m, off, len) => {
+                m.host()?;
                 let o = range_ok(*off, *len, m.len)?;
                 if *len > 0 {
                     iov.push(libc::iovec {
@@ -428,6 +506,7 @@ pub fn cma_copy(
     len: usize,
     write: bool,
 ) -> io::Result<()> {
+    local.host()?;
     let o = range_ok(local_off, len, local.len)?;
     let mut done = 0usize;
     while done < len {
@@ -533,5 +612,53 @@ impl RegionMrs {
     /// The memory region on local device `dev`.
     pub(crate) fn get(&self, dev: usize) -> Option<&kvwire_verbs::Mr> {
         self.per_dev.get(dev)
+    }
+}
+
+#[cfg(test)]
+mod device_tests {
+    use super::*;
+
+    #[test]
+    fn device_memory_is_refused_by_every_host_copy() {
+        let ipc = DeviceIpc {
+            handle: [1; 64],
+            offset: 0,
+        };
+        // An address that is not mapped here: any host access through it would fault.
+        // SAFETY: the value is never dereferenced (that is what this test checks).
+        let dev = unsafe { RegionMem::device(0x10, 4096, 0, ipc) }.expect("device region");
+        assert_eq!(dev.kind(), MemKind::Device);
+        assert_eq!(dev.device_ipc(), Some((0, ipc)));
+        let host = RegionMem::alloc_memfd(4096).expect("memfd");
+        let unsupported = |r: io::Result<()>| {
+            assert_eq!(r.expect_err("refused").kind(), io::ErrorKind::Unsupported);
+        };
+        unsupported(dev.copy_in(0, &[1, 2, 3]));
+        unsupported(dev.copy_out(0, &mut [0; 3]));
+        unsupported(RegionMem::copy_between(&dev, 0, &host, 0, 16));
+        unsupported(RegionMem::copy_between(&host, 0, &dev, 0, 16));
+        let (a, _b) = std::os::unix::net::UnixStream::pair().expect("pair");
+        unsupported(dev.recv_into(a.as_fd(), 0, 16));
+        unsupported(send_parts(a.as_fd(), &[IoPart::Region(&dev, 0, 16)]));
+        unsupported(cma_copy(
+            std::process::id() as i32,
+            &dev,
+            0,
+            0x1000,
+            16,
+            true,
+        ));
+        // What the CUDA copies use: bounds-checked, never dereferenced here.
+        assert_eq!(dev.raw_addr(4000, 96).expect("inside"), 0x10 + 4000);
+        assert!(dev.raw_addr(4000, 97).is_err());
+        assert!(host.device_ipc().is_none());
+        // Null, empty or wrapping device ranges are refused.
+        // SAFETY: refused before anything could use them.
+        unsafe {
+            assert!(RegionMem::device(0, 16, 0, ipc).is_err());
+            assert!(RegionMem::device(0x10, 0, 0, ipc).is_err());
+            assert!(RegionMem::device(u64::MAX - 8, 16, 0, ipc).is_err());
+        }
     }
 }

@@ -14,6 +14,21 @@ pub enum TransportKind {
     /// RDMA device is usable here. `Auto` uses RDMA towards peers that offer it when shm is
     /// not possible (another host), or first with `EngineConfig::prefer_rdma`.
     Rdma,
+    /// CUDA IPC for peers on one host: copies into a peer's device regions (registered with
+    /// `cuda::register_device`) run on the GPU's copy engines, other regions go as over shm.
+    /// `Engine::new` fails with `Error::Unsupported` without a CUDA driver. `Auto` uses it
+    /// towards a same-host peer when both sides have device regions at the handshake.
+    CudaIpc,
+}
+
+/// How a same-host peer opens a device region (CUDA IPC): the handle of the allocation the
+/// region lies in and the region's offset from the allocation's start.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct DeviceIpc {
+    /// The allocation's CUDA IPC memory handle.
+    pub handle: [u8; 64],
+    /// Offset of the region from the allocation's base.
+    pub offset: u64,
 }
 
 /// One transfer of a batch: `len` bytes between `(local, local_offset)` and

@@ -54,6 +54,10 @@ fn region() -> impl Strategy<Value = WireRegion> {
                 fd,
                 ino,
                 rkey: (addr >> 7) as u32,
+                ipc: (fd & 1 == 1).then_some(kvwire_transfer::DeviceIpc {
+                    handle: [(ino & 0xff) as u8; 64],
+                    offset: ino,
+                }),
             },
         )
 }

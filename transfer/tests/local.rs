@@ -513,3 +513,59 @@ fn a_peer_of_another_engine_is_refused() {
         .wait()
         .expect("its own peer");
 }
+
+#[test]
+fn cuda_ipc_without_a_cuda_driver_is_unsupported() {
+    if std::path::Path::new("/proc/driver/nvidia").exists() {
+        eprintln!("SKIPPED: an NVIDIA driver is here; tests/cuda_ipc.rs covers cuda_ipc");
+        return;
+    }
+    assert!(matches!(
+        Engine::new(cfg(TransportKind::CudaIpc, None)),
+        Err(Error::Unsupported(_))
+    ));
+    // `Auto` still works, over shm, and says which transports it has.
+    let t = Engine::new(cfg(TransportKind::Auto, None)).expect("engine");
+    let i = Engine::new(cfg(TransportKind::Auto, None)).expect("engine");
+    let p = i.connect(t.listen_addr()).expect("connect");
+    assert_eq!(p.transport(), TransportKind::Shm);
+}
+
+#[test]
+fn a_region_list_with_device_keys_round_trips_and_a_bad_flag_is_refused() {
+    use kvwire_transfer::wire::{CtrlMsg, Field, ProtocolError};
+    use kvwire_transfer::DeviceIpc;
+    let dev = kvwire_transfer::wire::WireRegion {
+        id: kvwire_transfer::RegionId {
+            index: 3,
+            generation: 1,
+        },
+        len: 1 << 20,
+        access: Access::ReadWrite,
+        addr: 0,
+        fd: -1,
+        ino: 0,
+        rkey: 0,
+        ipc: Some(DeviceIpc {
+            handle: [7; 64],
+            offset: 4096,
+        }),
+    };
+    let host = kvwire_transfer::wire::WireRegion { ipc: None, ..dev };
+    let msg = CtrlMsg::RegionsSet(vec![dev, host]);
+    let bytes = msg.encode();
+    let back = CtrlMsg::decode(&bytes).expect("decode");
+    assert_eq!(back, msg);
+    // The flag of the first region (after the header, count and 41 bytes of its entry).
+    let flag_at = bytes.len() - (42 + 72) - 42 + 41;
+    assert_eq!(bytes[flag_at], 1);
+    let mut bad = bytes.clone();
+    bad[flag_at] = 2;
+    match CtrlMsg::decode(&bad) {
+        Err(kvwire_transfer::Error::Protocol(ProtocolError::BadValue {
+            field: Field::DeviceIpc,
+            value: 2,
+        })) => {}
+        other => panic!("expected a bad device-memory flag, got {other:?}"),
+    }
+}

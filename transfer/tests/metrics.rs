@@ -339,7 +339,12 @@ fn run_sequence(kind: TransportKind) {
     assert_eq!((m.regions, m.region_bytes), (2, 4 * MIB + 8192));
     assert_eq!(
         m.region_bytes_by_kind,
-        [("engine", 4 * MIB + 8192), ("host", 0), ("pinned", 0)]
+        [
+            ("engine", 4 * MIB + 8192),
+            ("host", 0),
+            ("pinned", 0),
+            ("device", 0)
+        ]
     );
     assert_eq!(m.lanes_reestablished, 0);
     assert_eq!(m.reposts, 0);

@@ -37,7 +37,7 @@ from kvwire._kvwire import (  # noqa: F401
 from kvwire.errors import *  # noqa: E402,F401,F403
 
 
-def register_tensor(engine, tensor, access="rw", pinned=False):
+def register_tensor(engine, tensor, access="rw", pinned=False, ipc=False):
     """Registers a contiguous tensor's memory (``data_ptr()``, ``nbytes``).
 
     * CPU tensor: registered with ``engine`` (an :class:`Engine`, or a :class:`CudaStager`
@@ -48,12 +48,20 @@ def register_tensor(engine, tensor, access="rw", pinned=False):
       device), else with a new ``CudaStager(engine, device=<the tensor's device>)``; returns a
       :class:`CudaSource` for :meth:`Engine.layer_stream`, which keeps the tensor alive.
       Raises :class:`UnsupportedError` where there is no CUDA driver.
+    * CUDA tensor with ``ipc=True``: registered with ``engine`` (an :class:`Engine`) as a device
+      region (:meth:`Engine.register_device`); returns a :class:`Region` with ``access`` that
+      same-host peers reach with the ``cuda_ipc`` transport (device-to-device copies). The
+      tensor must stay alive until the region is unregistered.
     """
     if hasattr(tensor, "is_contiguous") and not tensor.is_contiguous():
         raise _errors.InvalidArgumentError("tensor must be contiguous")
     nbytes = tensor.numel() * tensor.element_size()
     device = getattr(tensor, "device", None)
     kind = getattr(device, "type", None if device is None else str(device))
+    if kind == "cuda" and ipc:
+        if isinstance(engine, CudaStager):
+            engine = engine.engine
+        return engine.register_device(tensor.data_ptr(), nbytes, access, tensor.get_device())
     if kind == "cuda":
         index = tensor.get_device()
         if isinstance(engine, CudaStager):

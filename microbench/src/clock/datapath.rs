@@ -188,13 +188,7 @@ impl DataPath {
         let peer = p
             .connect(d.listen_addr())
             .map_err(eng("connecting P to D"))?;
-        let transport = match peer.transport() {
-            TransportKind::Shm => "shm",
-            TransportKind::Tcp => "tcp",
-            TransportKind::Rdma => "rdma",
-            TransportKind::Auto => "auto",
-        }
-        .to_string();
+        let transport = kvwire_transfer::metrics::transport_label(peer.transport()).to_string();
         // Touch every page of both pools once, so that no measured transfer pays for first
         // faults of fresh memory (the first cell would otherwise look slower than the rest).
         let zeros = vec![0u8; 1 << 20];

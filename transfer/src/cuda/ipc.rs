@@ -19,7 +19,8 @@ use std::sync::{Arc, OnceLock};
 
 use cudarc::driver::{result, sys, CudaContext};
 
-use super::{create_blocking_event, driver_present, CudaError};
+use super::driver::{create_blocking_event, driver_present, CudaError};
+use crate::mem::RegionMem;
 
 /// Bytes of a CUDA IPC memory handle.
 pub const IPC_HANDLE_LEN: usize = 64;
@@ -44,7 +45,11 @@ pub struct IpcExport {
 ///
 /// # Safety
 /// `dptr..dptr+len` must be device memory of `ctx` that stays allocated while this call runs.
-unsafe fn export(ctx: &CudaContext, dptr: u64, len: u64) -> Result<IpcExport, CudaError> {
+pub(super) unsafe fn export(
+    ctx: &CudaContext,
+    dptr: u64,
+    len: u64,
+) -> Result<IpcExport, CudaError> {
     if !driver_present() {
         return Err(CudaError::NoDriver);
     }
@@ -175,6 +180,11 @@ unsafe impl Send for IpcMapping {}
 unsafe impl Sync for IpcMapping {}
 
 impl IpcMapping {
+    /// The context the mapping was opened in.
+    pub fn context(&self) -> &Arc<CudaContext> {
+        &self.ctx
+    }
+
     /// Opens `exp` (exported by another process of this host) on `ctx`'s device.
     pub fn open(ctx: Arc<CudaContext>, exp: &IpcExport) -> Result<Self, CudaError> {
         if !driver_present() {
@@ -258,6 +268,7 @@ pub struct DeviceCopier {
 enum Held {
     Buffer(Arc<DeviceBuffer>),
     Mapping(Arc<IpcMapping>),
+    Region(Arc<RegionMem>),
 }
 
 // SAFETY: the stream and event handles are used with the context bound (done before each
@@ -391,10 +402,36 @@ impl DeviceCopier {
         Ok(())
     }
 
+    /// Queues a copy of `n` bytes between `local` at `local_off` (an engine region: device
+    /// memory, or host memory the driver reaches through unified addressing) and `remote_off`
+    /// in the exported range `remote`: into `remote` when `to_remote`, out of it otherwise.
+    /// Both ranges are bounds-checked; `local` is held until [`DeviceCopier::finish`].
+    pub(crate) fn region_copy(
+        &mut self,
+        to_remote: bool,
+        local: &Arc<RegionMem>,
+        local_off: u64,
+        remote: &Arc<IpcMapping>,
+        remote_off: u64,
+        n: usize,
+    ) -> Result<(), CudaError> {
+        let far = remote.range(remote_off, n as u64)?;
+        let near = local
+            .raw_addr(local_off, n)
+            .map_err(|e| CudaError::InvalidArgument(e.to_string()))?;
+        self.hold(Held::Mapping(remote.clone()));
+        self.hold(Held::Region(local.clone()));
+        let (dst, src) = if to_remote { (far, near) } else { (near, far) };
+        // SAFETY: both ranges are checked above; the local one is region memory, valid while
+        // its `RegionMem` lives (held until the copy has completed, as is the mapping).
+        unsafe { self.queue(dst, src, n) }
+    }
+
     fn hold(&mut self, h: Held) {
         let same = |a: &Held, b: &Held| match (a, b) {
             (Held::Buffer(x), Held::Buffer(y)) => Arc::ptr_eq(x, y),
             (Held::Mapping(x), Held::Mapping(y)) => Arc::ptr_eq(x, y),
+            (Held::Region(x), Held::Region(y)) => Arc::ptr_eq(x, y),
             _ => false,
         };
         if !self.held.iter().any(|x| same(x, &h)) {
@@ -403,7 +440,8 @@ impl DeviceCopier {
     }
 
     /// # Safety
-    /// Both ranges must be valid device memory until the copy has completed.
+    /// Both ranges must be memory the driver can address (device memory, or host memory
+    /// through unified addressing), valid until the copy has completed.
     unsafe fn queue(&mut self, dst: u64, src: u64, n: usize) -> Result<(), CudaError> {
         self.ctx.bind_to_thread()?;
         // SAFETY: the caller vouches for both ranges; the stream is ours.

@@ -1,5 +1,10 @@
-//! CUDA device memory as a layer-stream source, through `cudarc`'s driver API loaded at run
-//! time (`dynamic-loading`: no toolkit to build, no link-time dependency on `libcuda`).
+//! CUDA device memory, through `cudarc`'s driver API loaded at run time (`dynamic-loading`: no
+//! toolkit to build, no link-time dependency on `libcuda`).
+//!
+//! Files, bottom up: `driver.rs` (the driver, devices, [`CudaError`]) and `ipc.rs` (CUDA IPC and
+//! device copies), which the `cuda_ipc` transport uses below the engine; `region.rs` (device
+//! memory as an engine region, [`register_device_region`]) and this file (layer-stream sources
+//! and staging), which use the engine.
 //!
 //! Every entry point first checks that `libcuda` can be loaded ([`driver_present`], a cached
 //! `is_culib_present()`), so a machine without a driver gets [`CudaError::NoDriver`] instead
@@ -18,7 +23,8 @@
 //!
 //! # GPUDirect RDMA (hook)
 //!
-//! tcp and shm always stage. With an RDMA transport and a GPUDirect-capable NIC the device
+//! tcp and shm always stage (the `cuda_ipc` transport, towards device regions of a same-host
+//! peer, does not: it copies device to device). With an RDMA transport and a GPUDirect-capable NIC the device
 //! memory itself can be the source: such a transport implements [`DeviceRegistrar`] (kvwire's
 //! `rdma` transport does not yet; e.g.
 //! `ibv_reg_dmabuf_mr` on the fd from `cuMemGetHandleForAddressRange`, or `ibv_reg_mr` on the
@@ -32,11 +38,13 @@
 //!
 //! All `unsafe` for CUDA lives in this module.
 
+mod driver;
 pub mod ipc;
+mod region;
 
-use std::sync::{Arc, OnceLock};
+use std::sync::Arc;
 
-use cudarc::driver::{result, sys, CudaContext, DriverError};
+use cudarc::driver::{result, sys, CudaContext};
 use parking_lot::Mutex;
 
 use crate::engine::Engine;
@@ -47,62 +55,9 @@ use crate::layer::{
 };
 use crate::types::{Access, RegionHandle};
 
-/// What can go wrong with CUDA memory.
-#[derive(Debug, thiserror::Error)]
-#[non_exhaustive]
-pub enum CudaError {
-    /// `libcuda` cannot be loaded on this machine.
-    #[error("no CUDA driver (libcuda) on this machine")]
-    NoDriver,
-    /// The driver loaded but reports no device with this ordinal.
-    #[error("no CUDA device {0}")]
-    NoDevice(usize),
-    /// A driver call failed.
-    #[error("CUDA driver: {0}")]
-    Driver(String),
-    /// Bad argument (unknown device memory id, copy out of bounds...).
-    #[error("invalid argument: {0}")]
-    InvalidArgument(String),
-    /// Registering staging memory with the engine failed.
-    #[error("engine: {0}")]
-    Engine(#[from] Error),
-}
-
-impl From<DriverError> for CudaError {
-    fn from(e: DriverError) -> Self {
-        CudaError::Driver(format!("{e:?}"))
-    }
-}
-
-/// Whether `libcuda` can be loaded (checked once, then cached). Gate for every driver call.
-pub fn driver_present() -> bool {
-    static PRESENT: OnceLock<bool> = OnceLock::new();
-    // SAFETY: is_culib_present only tries to dlopen the library names and drops the handles.
-    *PRESENT.get_or_init(|| unsafe { sys::is_culib_present() })
-}
-
-/// Number of CUDA devices (`cuInit` + `cuDeviceGetCount`).
-pub fn device_count() -> Result<usize, CudaError> {
-    if !driver_present() {
-        return Err(CudaError::NoDriver);
-    }
-    result::init()?;
-    Ok(result::device::get_count()?.max(0) as usize)
-}
-
-/// The primary context of device `ordinal` (the one PyTorch uses), after checking the driver
-/// and the device exist.
-pub fn context(ordinal: usize) -> Result<Arc<CudaContext>, CudaError> {
-    if device_count()? <= ordinal {
-        return Err(CudaError::NoDevice(ordinal));
-    }
-    Ok(CudaContext::new(ordinal)?)
-}
-
-/// Whether the device reports GPUDirect RDMA support (`CU_DEVICE_ATTRIBUTE_GPU_DIRECT_RDMA_SUPPORTED`).
-pub fn gpudirect_rdma_supported(ctx: &CudaContext) -> Result<bool, CudaError> {
-    Ok(ctx.attribute(sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_GPU_DIRECT_RDMA_SUPPORTED)? != 0)
-}
+pub(crate) use driver::create_blocking_event;
+pub use driver::{context, device_count, driver_present, gpudirect_rdma_supported, CudaError};
+pub use region::register_device_region;
 
 /// The GPUDirect seam: a transport that can register device memory with its NIC returns an
 /// engine region for it, so layer streams send from device memory with no staging. Not
@@ -119,16 +74,6 @@ pub trait DeviceRegistrar {
         len: u64,
         access: Access,
     ) -> Result<RegionHandle, Error>;
-}
-
-pub(crate) fn create_blocking_event() -> Result<sys::CUevent, CudaError> {
-    let mut ev: sys::CUevent = std::ptr::null_mut();
-    let flags = sys::CUevent_flags::CU_EVENT_BLOCKING_SYNC as u32
-        | sys::CUevent_flags::CU_EVENT_DISABLE_TIMING as u32;
-    // SAFETY: cuEventCreate writes one handle into `ev`, a valid out-pointer; the caller has
-    // bound a context to this thread.
-    unsafe { sys::cuEventCreate(&mut ev, flags).result()? };
-    Ok(ev)
 }
 
 type WaitJob = (u64, Box<dyn FnOnce(Result<(), String>) + Send>);

@@ -290,6 +290,20 @@ impl Core {
             .unwrap_or(0)
     }
 
+    pub(super) fn has_cuda_ipc(&self) -> bool {
+        self.transports
+            .iter()
+            .any(|t| t.kind() == TransportKind::CudaIpc)
+    }
+
+    /// Whether a region of ours is device memory (`Auto` then prefers `cuda_ipc`).
+    pub(super) fn has_device_region(&self) -> bool {
+        self.regions
+            .all()
+            .iter()
+            .any(|e| e.mem.device_ipc().is_some())
+    }
+
     pub(super) fn has_rdma(&self) -> bool {
         self.transports
             .iter()

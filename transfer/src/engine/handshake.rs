@@ -1,4 +1,4 @@
-//! The handshake (protocol version 4): the transports each side allows and chooses, and the
+//! The handshake (protocol version 5): the transports each side allows and chooses, and the
 //! engine's side of the six messages ([`initiator_handshake`], [`responder_handshake`]; the
 //! exchange up to the initiator's proof is in `session`, the keys in `auth`).
 //!
@@ -33,8 +33,8 @@ use crate::session::{self, Fail, Proved, Responder};
 use crate::transport::Transport;
 use crate::types::TransportKind;
 use crate::wire::{
-    self, body, kind, CtrlMsg, Expect, HostIdentity, Stage, WireRegion, TRANSPORT_RDMA,
-    TRANSPORT_SHM, TRANSPORT_TCP,
+    self, body, kind, CtrlMsg, Expect, HostIdentity, Stage, WireRegion, TRANSPORT_CUDA_IPC,
+    TRANSPORT_RDMA, TRANSPORT_SHM, TRANSPORT_TCP,
 };
 
 pub(super) struct Handshaken {
@@ -92,11 +92,17 @@ impl Core {
 
 pub(super) fn allowed_transports(core: &Core) -> u8 {
     let rdma = if core.has_rdma() { TRANSPORT_RDMA } else { 0 };
+    let cuda = if core.has_cuda_ipc() {
+        TRANSPORT_CUDA_IPC
+    } else {
+        0
+    };
     match core.cfg.transport {
         TransportKind::Tcp => TRANSPORT_TCP,
         TransportKind::Shm => TRANSPORT_SHM,
         TransportKind::Rdma => rdma,
-        TransportKind::Auto => TRANSPORT_TCP | TRANSPORT_SHM | rdma,
+        TransportKind::CudaIpc => cuda,
+        TransportKind::Auto => TRANSPORT_TCP | TRANSPORT_SHM | rdma | cuda,
     }
 }
 
@@ -104,6 +110,7 @@ pub(super) fn kind_bit(k: TransportKind) -> u8 {
     match k {
         TransportKind::Shm => TRANSPORT_SHM,
         TransportKind::Rdma => TRANSPORT_RDMA,
+        TransportKind::CudaIpc => TRANSPORT_CUDA_IPC,
         TransportKind::Tcp | TransportKind::Auto => TRANSPORT_TCP,
     }
 }
@@ -125,6 +132,12 @@ fn choose_transport(
     }
     for t in order {
         if both & t.bit() == 0 || t.kind() == TransportKind::Tcp {
+            continue;
+        }
+        if t.kind() == TransportKind::CudaIpc
+            && core.cfg.transport == TransportKind::Auto
+            && !core.has_device_region()
+        {
             continue;
         }
         let blob = rblobs

@@ -16,7 +16,10 @@ use crate::wire::fence::{EngineMsg, FenceKind};
 use crate::wire::{CtrlMsg, WireRegion};
 
 pub(super) fn wire_region(e: &RegionEntry, shm: bool, rkey: u32) -> WireRegion {
-    let (addr, fd, ino) = if shm {
+    let device = e.mem.device_ipc();
+    let (addr, fd, ino) = if device.is_some() {
+        (0, -1, 0) // no host address: only CUDA IPC reaches it
+    } else if shm {
         (
             e.mem.addr(),
             e.mem.memfd().map(|f| f.as_raw_fd()).unwrap_or(-1),
@@ -35,6 +38,7 @@ pub(super) fn wire_region(e: &RegionEntry, shm: bool, rkey: u32) -> WireRegion {
         fd,
         ino,
         rkey,
+        ipc: device.filter(|_| shm).map(|(_, ipc)| ipc),
     }
 }
 
@@ -98,6 +102,16 @@ impl Engine {
             .map_err(|e| Error::InvalidArgument(e.to_string()))?;
         self.core()
             .add_region(Arc::new(mem.with_pinned(pinned)), access)
+    }
+
+    /// Registers memory the crate prepared (device memory, from `cuda`).
+    #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
+    pub(crate) fn register_mem(
+        &self,
+        mem: RegionMem,
+        access: Access,
+    ) -> Result<RegionHandle, Error> {
+        self.core().add_region(Arc::new(mem), access)
     }
 
     /// Unregisters a region; its handle and id become stale everywhere.

@@ -20,6 +20,8 @@ use crate::metrics::{self, EngineMetrics};
 use crate::net::{spawn_counted, Threads};
 use crate::notify::NotifyQueue;
 use crate::region::RegionTable;
+#[cfg(feature = "cuda")]
+use crate::transport::cuda_ipc::CudaIpcTransport;
 use crate::transport::rdma::RdmaTransport;
 use crate::transport::shm::ShmTransport;
 use crate::transport::tcp::TcpTransport;
@@ -52,8 +54,28 @@ impl Engine {
         }
         cfg.limits.validate().map_err(Error::InvalidArgument)?;
         let threads: Threads = Arc::new(AtomicU64::new(0));
-        let mut transports: Vec<Box<dyn Transport>> =
-            vec![Box::new(TcpTransport), Box::new(ShmTransport::new())];
+        let mut transports: Vec<Box<dyn Transport>> = vec![Box::new(TcpTransport)];
+        // Before shm: `Auto` takes the first usable one (and skips cuda_ipc without device
+        // regions).
+        #[cfg(feature = "cuda")]
+        if matches!(cfg.transport, TransportKind::CudaIpc | TransportKind::Auto) {
+            match CudaIpcTransport::open() {
+                Some(t) => transports.push(Box::new(t)),
+                None if cfg.transport == TransportKind::CudaIpc => {
+                    return Err(Error::Unsupported(
+                        "TransportKind::CudaIpc, but the CUDA driver does not load here".into(),
+                    ))
+                }
+                None => {}
+            }
+        }
+        #[cfg(not(feature = "cuda"))]
+        if cfg.transport == TransportKind::CudaIpc {
+            return Err(Error::Unsupported(
+                "TransportKind::CudaIpc, but this build has no CUDA (feature `cuda`)".into(),
+            ));
+        }
+        transports.push(Box::new(ShmTransport::new()));
         // Only engines that may use RDMA open a device (Tcp/Shm engines never offer it).
         if matches!(cfg.transport, TransportKind::Rdma | TransportKind::Auto) {
             match RdmaTransport::open(&cfg) {

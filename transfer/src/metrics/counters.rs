@@ -9,8 +9,12 @@ use crate::error::Error;
 use crate::types::{BatchStats, TransportKind};
 
 /// Transports with their own series, in label order.
-pub(crate) const TRANSPORTS: [TransportKind; 3] =
-    [TransportKind::Tcp, TransportKind::Shm, TransportKind::Rdma];
+pub(crate) const TRANSPORTS: [TransportKind; 4] = [
+    TransportKind::Tcp,
+    TransportKind::Shm,
+    TransportKind::Rdma,
+    TransportKind::CudaIpc,
+];
 
 /// Index of a transport in [`TRANSPORTS`] (`Auto` never carries a batch; counted as tcp).
 pub(crate) fn transport_index(k: TransportKind) -> usize {
@@ -18,6 +22,7 @@ pub(crate) fn transport_index(k: TransportKind) -> usize {
         TransportKind::Tcp | TransportKind::Auto => 0,
         TransportKind::Shm => 1,
         TransportKind::Rdma => 2,
+        TransportKind::CudaIpc => 3,
     }
 }
 
@@ -27,6 +32,7 @@ pub fn transport_label(k: TransportKind) -> &'static str {
         TransportKind::Tcp => "tcp",
         TransportKind::Shm => "shm",
         TransportKind::Rdma => "rdma",
+        TransportKind::CudaIpc => "cuda_ipc",
         TransportKind::Auto => "auto",
     }
 }
@@ -239,7 +245,7 @@ pub(super) struct PeerBook {
     /// Every peer's counters with its transport index (folded into `gone` once the peer is gone).
     pub(super) live: Vec<(usize, Arc<PeerCounters>)>,
     /// Sums of peers that are gone, per transport.
-    pub(super) gone: [Totals; 3],
+    pub(super) gone: [Totals; TRANSPORTS.len()],
 }
 
 impl PeerBook {
@@ -325,10 +331,10 @@ impl EngineMetrics {
     }
 
     /// Per-transport sums over every peer ever connected.
-    pub(super) fn totals(&self) -> [Totals; 3] {
+    pub(super) fn totals(&self) -> [Totals; TRANSPORTS.len()] {
         let mut b = self.book.lock();
         b.fold();
-        let mut t = [Totals::default(); 3];
+        let mut t = [Totals::default(); TRANSPORTS.len()];
         for (ti, g) in b.gone.iter().enumerate() {
             t[ti].merge(g);
         }

@@ -166,8 +166,9 @@ pub struct MetricsSnapshot {
     /// Bytes registered now.
     pub region_bytes: u64,
     /// Bytes registered now by what the memory is: `engine` (allocated by the engine), `host`
-    /// (the caller's, pageable), `pinned` (the caller's, pinned by the CUDA driver).
-    pub region_bytes_by_kind: [(&'static str, u64); 3],
+    /// (the caller's, pageable), `pinned` (the caller's, pinned by the CUDA driver), `device`
+    /// (the caller's CUDA device memory).
+    pub region_bytes_by_kind: [(&'static str, u64); 4],
     /// Peers set up by `connect`.
     pub connections_outbound: u64,
     /// Peers set up by accepting.
@@ -550,7 +551,7 @@ pub(crate) struct SnapshotExtra {
     pub reposts_live: u64,
     pub regions: u64,
     pub region_bytes: u64,
-    pub region_bytes_by_kind: [(&'static str, u64); 3],
+    pub region_bytes_by_kind: [(&'static str, u64); 4],
     pub peers_connected: u64,
     pub notifications: (u64, u64, u64),
     /// (bytes, slices, batches) in flight.

@@ -39,9 +39,13 @@
 //! * `api`: the [`Transport`] and [`PeerTransport`] traits and what the engine hands them;
 //! * `marks`: [`CopyMarks`], what each TCP lane thread is copying now;
 //! * `target`: [`TargetCtx`] and [`NotifyTracker`], the target side's checks and notifications;
-//! * `tcp`, `shm`, `rdma`: the three transports.
+//! * `tcp`, `shm`, `rdma`: the three transports of every build;
+//! * `cuda_ipc` (feature `cuda`): copies into a same-host peer's device regions on the GPU,
+//!   shm's per-peer state with a device copier plugged in.
 
 mod api;
+#[cfg(feature = "cuda")]
+pub(crate) mod cuda_ipc;
 mod marks;
 pub(crate) mod rdma;
 pub(crate) mod shm;

@@ -19,6 +19,11 @@
 //! same peer is queued or running there, so batches submitted one after the other to a peer are
 //! copied, and their notifications sent, in submission order.
 //!
+//! The `cuda_ipc` transport is this per-peer state with a [`DeviceCopy`] plugged in: transfers
+//! whose remote region is device memory are queued on the GPU by it, and their regions stay
+//! counted as in use until the GPU finished them; without one (shm), such a transfer is refused
+//! with `Error::Unsupported`.
+//!
 //! Copies into the target's memory (mapped memfds and `process_vm_writev`) are counted per
 //! region: when the target withdraws a region, later copies fail with `Error::StaleRegion` and
 //! the withdrawal is confirmed to the target (by the engine's fence after `RegionsRemoved`)
@@ -40,6 +45,7 @@ use crate::ctrl::CtrlWriter;
 use crate::error::Error;
 use crate::host::host_identity;
 use crate::mem::{cma_copy, RegionMem};
+use crate::region::GateGuard;
 use crate::types::{BatchStats, Dir, RegionId, TransportKind};
 use crate::wire::{HostIdentity, ProtocolError, WireRegion, TRANSPORT_SHM};
 
@@ -58,8 +64,27 @@ struct Guard {
     busy: HashMap<RegionId, u32>,
 }
 
+/// Copies between local region memory and a same-host peer's device regions (the
+/// `cuda_ipc` transport's; [`ShmPeer`] hands it every transfer whose remote region carries
+/// CUDA IPC keys).
+pub(crate) trait DeviceCopy: Send + Sync {
+    /// Queues the copy of `x` (bounds-checked against the region it opened); it may still be
+    /// running when this returns.
+    fn queue(&self, dir: Dir, x: &Xfer) -> Result<(), Error>;
+    /// Waits until every copy queued so far has completed.
+    fn finish(&self) -> Result<(), Error>;
+    /// The peer withdrew these regions: close what was opened of them (after the copies
+    /// queued into them completed).
+    fn forget(&self, ids: &[RegionId]);
+    /// The peer is gone.
+    fn clear(&self);
+}
+
 struct Shared {
     pid: i32,
+    kind: TransportKind,
+    /// Copies into the peer's device regions (`cuda_ipc`); `None` for shm.
+    device: Option<Box<dyn DeviceCopy>>,
     maps: Mutex<HashMap<RegionId, Option<Arc<RegionMem>>>>,
     ctrl: Arc<CtrlWriter>,
     closed: AtomicBool,
@@ -76,10 +101,22 @@ pub(crate) struct ShmPeer {
 }
 
 impl ShmPeer {
-    pub fn new(pid: u32, ctrl: Arc<CtrlWriter>, worker: Sender<CopyJob>) -> ShmPeer {
+    /// The per-peer state of `shm` (`device: None`) or of `cuda_ipc`.
+    pub fn new(
+        pid: u32,
+        ctrl: Arc<CtrlWriter>,
+        worker: Sender<CopyJob>,
+        device: Option<Box<dyn DeviceCopy>>,
+    ) -> ShmPeer {
+        let kind = match device {
+            Some(_) => TransportKind::CudaIpc,
+            None => TransportKind::Shm,
+        };
         ShmPeer {
             sh: Arc::new(Shared {
                 pid: pid as i32,
+                kind,
+                device,
                 maps: Mutex::new(HashMap::new()),
                 ctrl,
                 closed: AtomicBool::new(false),
@@ -129,14 +166,28 @@ impl Shared {
         Ok(RegionMem::map_fd(f.as_fd(), len)?)
     }
 
-    fn copy(&self, dir: Dir, x: &Xfer) -> Result<(), Error> {
+    /// Copies `x`, or queues it on the device when its remote region is device memory: then
+    /// the guards that keep the regions in use go to `queued`, to be dropped after
+    /// [`DeviceCopy::finish`].
+    fn copy<'a>(&'a self, dir: Dir, x: &'a Xfer, queued: &mut Vec<Held<'a>>) -> Result<(), Error> {
         let len =
             usize::try_from(x.len).map_err(|_| Error::InvalidArgument("op too large".into()))?;
         // Our side of the copy runs inside the local region's gate (refused once unregistered);
         // the target's side is counted as running (refused once the target withdrew it, and
         // waited for by the withdrawal: what a fence of this engine by the target relies on).
-        let _local = x.local.enter()?;
-        let _busy = self.enter(x.remote.id)?;
+        let local = x.local.enter()?;
+        let busy = self.enter(x.remote.id)?;
+        if x.remote.ipc.is_some() {
+            let dev = self.device.as_ref().ok_or_else(|| {
+                Error::Unsupported(format!(
+                    "remote region {:?} is device memory: only the cuda_ipc transport reaches it",
+                    x.remote.id
+                ))
+            })?;
+            dev.queue(dir, x)?;
+            queued.push((local, busy));
+            return Ok(());
+        }
         match self.mapping(&x.remote) {
             Some(map) => match dir {
                 Dir::Write => RegionMem::copy_between(
@@ -213,11 +264,32 @@ impl Shared {
             st.fail(Error::PeerDead("peer closed".into()));
             return;
         }
+        let mut queued = Vec::new();
+        let mut res = Ok(true);
         for x in xfers {
             if st.is_done() {
-                return; // timed out or failed meanwhile
+                res = Ok(false); // timed out or failed meanwhile
+                break;
             }
-            if let Err(e) = self.copy(dir, x) {
+            if let Err(e) = self.copy(dir, x, &mut queued) {
+                res = Err(e);
+                break;
+            }
+        }
+        // Copies queued on the device complete before their regions are let go, and before
+        // the notification leaves.
+        if !queued.is_empty() {
+            if let Some(dev) = &self.device {
+                if let Err(e) = dev.finish() {
+                    res = res.and(Err(e));
+                }
+            }
+        }
+        drop(queued);
+        match res {
+            Ok(true) => {}
+            Ok(false) => return,
+            Err(e) => {
                 st.fail(e);
                 return;
             }
@@ -233,6 +305,10 @@ impl Shared {
         }
     }
 }
+
+/// The guards of a copy queued on the device: the local region's gate and the target region's
+/// count of running copies.
+type Held<'a> = (GateGuard<'a>, Busy<'a>);
 
 /// A running copy into target memory (see [`Shared::enter`]).
 struct Busy<'a> {
@@ -255,7 +331,7 @@ impl Drop for Busy<'_> {
 
 impl PeerTransport for ShmPeer {
     fn kind(&self) -> TransportKind {
-        TransportKind::Shm
+        self.sh.kind
     }
 
     fn post(&self, b: Posted, pending: &Arc<Pending>) -> Result<Arc<BatchState>, Error> {
@@ -264,7 +340,7 @@ impl PeerTransport for ShmPeer {
             ops: b.ops,
             writes: b.xfers.len(),
             slices: b.xfers.len(),
-            transport: TransportKind::Shm,
+            transport: self.sh.kind,
         };
         let st = BatchState::new(b.id, 1, stats, b.deadline, Vec::new(), &b.timer).posted_as(&b);
         pending.insert(&st)?;
@@ -297,11 +373,17 @@ impl PeerTransport for ShmPeer {
             }
         }
         self.sh.revoke(ids);
+        if let Some(dev) = &self.sh.device {
+            dev.forget(ids);
+        }
     }
 
     fn close(&self) {
         self.sh.closed.store(true, Ordering::Release);
         self.sh.maps.lock().clear();
+        if let Some(dev) = &self.sh.device {
+            dev.clear();
+        }
     }
 }
 
@@ -358,6 +440,7 @@ impl Transport for ShmTransport {
             ctx.remote_host.pid,
             ctx.ctrl,
             ctx.copy_tx,
+            None,
         )))
     }
 }

@@ -1,6 +1,6 @@
 //! The types and constants of the wire format (their codecs are in the sibling modules).
 
-use crate::types::{Access, RegionId};
+use crate::types::{Access, DeviceIpc, RegionId};
 
 /// Protocol version spoken by this build. 4: the initiator proves the secret first (X25519 key
 /// shares mixed with the secret, every later handshake message MAC'd over the transcript), host
@@ -8,7 +8,7 @@ use crate::types::{Access, RegionId};
 /// session, fence refusals (`FENCE_NACK`) and heartbeats (`PING`), error codes 11 (resource
 /// limit) and 12 (fenced). 3: notification fences (a `Transport` control message with bit 0x80)
 /// and per-device RDMA key requests. A peer of another version is refused at the handshake.
-pub const PROTOCOL_VERSION: u16 = 4;
+pub const PROTOCOL_VERSION: u16 = 5;
 /// Magic of data-lane frames.
 pub const FRAME_MAGIC: [u8; 4] = *b"KVWF";
 /// Magic of control messages.
@@ -111,6 +111,9 @@ pub struct WireRegion {
     /// RDMA remote key of the region's memory registration (0 = not registered for RDMA);
     /// `addr` is then the region's virtual address.
     pub rkey: u32,
+    /// Same-host keys of a device region (CUDA IPC); `None` for host memory, and towards a
+    /// peer on another host.
+    pub ipc: Option<DeviceIpc>,
 }
 
 /// Transport bits in `Hello.transports`.
@@ -119,6 +122,8 @@ pub const TRANSPORT_TCP: u8 = 1;
 pub const TRANSPORT_SHM: u8 = 2;
 /// RDMA (RC queue pairs) supported.
 pub const TRANSPORT_RDMA: u8 = 4;
+/// CUDA IPC supported (this engine can copy into a same-host peer's device regions).
+pub const TRANSPORT_CUDA_IPC: u8 = 8;
 
 /// Control messages.
 ///
@@ -301,8 +306,9 @@ pub mod body {
     /// `Accept`, and `Auth` without its regions (host, transports, lanes and blobs, with the
     /// RDMA blob of the largest configuration: under 2 KB).
     pub const HANDSHAKE: u32 = 64 << 10;
-    /// Bytes of one region in a region list.
-    pub const REGION: u32 = 41;
+    /// Bytes of one region in a region list, at most (42, plus 72 of CUDA IPC keys for a
+    /// device region).
+    pub const REGION: u32 = 42 + 72;
     /// A region list of `n` regions (count and entries).
     pub const fn regions(n: u32) -> u32 {
         4 + REGION * n

@@ -234,6 +234,8 @@ pub enum Field {
     Mtu,
     /// An RDMA link class.
     LinkClass,
+    /// A region's device-memory flag (0 or 1).
+    DeviceIpc,
 }
 
 /// The message expected at a point of a conversation.
@@ -363,6 +365,7 @@ impl fmt::Display for ProtocolError {
                 Field::Access => write!(f, "bad access {value}"),
                 Field::Mtu => f.write_str("rdma blob: bad MTU"),
                 Field::LinkClass => f.write_str("rdma blob: bad link class"),
+                Field::DeviceIpc => write!(f, "bad device-memory flag {value} in a region"),
             },
             P::BadUtf8 => f.write_str("invalid utf-8 string"),
             P::BadEndpoint {

@@ -2,7 +2,7 @@
 
 use super::msg::{HostIdentity, WireRegion, MAX_REGIONS_PER_MSG};
 use super::problem::{Field, Layout, ProtocolError};
-use crate::types::{Access, RegionId};
+use crate::types::{Access, DeviceIpc, RegionId};
 
 #[derive(Default)]
 pub(super) struct Writer {
@@ -56,6 +56,14 @@ impl Writer {
             self.u32(r.fd as u32);
             self.u64(r.ino);
             self.u32(r.rkey);
+            match &r.ipc {
+                None => self.u8(0),
+                Some(d) => {
+                    self.u8(1);
+                    self.bytes_fixed(&d.handle);
+                    self.u64(d.offset);
+                }
+            }
         }
     }
 }
@@ -166,7 +174,7 @@ impl<'a> Reader<'a> {
         Ok(v)
     }
     pub(super) fn regions(&mut self) -> Result<Vec<WireRegion>, ProtocolError> {
-        let n = self.count(41)?;
+        let n = self.count(42)?;
         let mut v = Vec::with_capacity(n);
         for _ in 0..n {
             let id = RegionId {
@@ -187,6 +195,19 @@ impl<'a> Reader<'a> {
                 fd: self.u32()? as i32,
                 ino: self.u64()?,
                 rkey: self.u32()?,
+                ipc: match self.u8()? {
+                    0 => None,
+                    1 => Some(DeviceIpc {
+                        handle: self.fixed::<64>()?,
+                        offset: self.u64()?,
+                    }),
+                    v => {
+                        return Err(ProtocolError::BadValue {
+                            field: Field::DeviceIpc,
+                            value: v,
+                        })
+                    }
+                },
             });
         }
         Ok(v)

@@ -38,10 +38,17 @@ impl PeerTransport for RdmaPeer {
             let mrs = tr.mrs.read();
             for x in &b.xfers {
                 // Not registered any more: the region was unregistered meanwhile.
-                let mr = mrs
-                    .get(&x.local.id)
-                    .cloned()
-                    .ok_or(Error::StaleRegion(x.local.id))?;
+                let mr = match mrs.get(&x.local.id) {
+                    Some(mr) => mr.clone(),
+                    None if x.local.mem.device_ipc().is_some() => {
+                        return Err(Error::Unsupported(format!(
+                            "local region {:?} is device memory, which is not registered with \
+                             the NICs (GPUDirect RDMA is not built)",
+                            x.local.id
+                        )))
+                    }
+                    None => return Err(Error::StaleRegion(x.local.id)),
+                };
                 if x.remote.rkey == 0 {
                     return Err(Error::Unsupported(format!(
                         "remote region {:?} carries no RDMA key",

@@ -255,6 +255,12 @@ impl RdmaTransport {
 
     /// Registers a region's memory with every device.
     pub fn add_region(&self, e: &RegionEntry) -> Result<(), Error> {
+        if e.mem.device_ipc().is_some() {
+            // Device memory is not registered with the NICs (GPUDirect RDMA is not built): it
+            // has no memory region, so a work request naming it is refused like an
+            // unregistered region's.
+            return Ok(());
+        }
         let mut access = kvwire_verbs::Access::LOCAL_WRITE;
         if e.access.remote_write() {
             access = access | kvwire_verbs::Access::REMOTE_WRITE;
