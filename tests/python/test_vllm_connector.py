@@ -579,7 +579,7 @@ def test_abort_after_the_kv_landed_frees_once(pair, when):
 
     d_extra = {"policy": "lazy"}
     if when == "landing":
-        d_extra.update(staging="always", staging_mb=1)
+        d_extra.update(staging="always", staging_mb=1, d_landing="mirror")
     d, p = pair(d_extra, {"send_mode": "whole"})
     freed = count_frees(d)
     full = d.num_blocks - 1

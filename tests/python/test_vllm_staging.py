@@ -1,7 +1,8 @@
 """KvwireConnector with staged KV caches (kvwire.vllm.staging), on CPU: ``staging: always`` makes
 a CPU KV cache take the path a CUDA cache takes (P: gathered into a bounded host pool, written
-from there; D: a host landing mirror registered in place of the cache, copied to the cache
-before the request is reported), with synchronous copies instead of stream copies. Unit tests of
+from there; D: a bounded landing pool that every request lands in, or with ``d_landing: mirror``
+a host landing mirror registered in place of the cache, copied to the cache before the request
+is reported), with synchronous copies instead of stream copies. Unit tests of
 the pool and of the staged sends and landings over real kvwire engines, then the whole path in
 vLLM's real v1 Scheduler (the harness), every byte of D's cache checked against P's."""
 
@@ -463,9 +464,9 @@ def watch_landing(d, rid):
     return seen
 
 
-SIDES = {"p": ({}, {"staging": "always", "staging_mb": 1}),
-         "d": ({"staging": "always", "staging_mb": 1}, {}),
-         "both": ({"staging": "always", "staging_mb": 1}, {"staging": "always", "staging_mb": 1})}
+SIDES = {"p": ({}, {"staging": "always", "staging_mb": 1, "d_landing": "mirror"}),
+         "d": ({"staging": "always", "staging_mb": 1, "d_landing": "mirror"}, {}),
+         "both": ({"staging": "always", "staging_mb": 1, "d_landing": "mirror"}, {"staging": "always", "staging_mb": 1, "d_landing": "mirror"})}
 
 
 @pytest.mark.parametrize("where", list(SIDES))
@@ -511,7 +512,7 @@ def test_staged_end_to_end(pair, where, policy, send_mode):
 def test_staged_kv_both(pair):
     """kv_both on both sides, both staged: every worker has a pool and mirrors, and only the
     mirrors are offered (the pool is registered local), so P finds one region per layer."""
-    staged = {"staging": "always", "staging_mb": 1}
+    staged = {"staging": "always", "staging_mb": 1, "d_landing": "mirror"}
     d, p = pair({"policy": "lazy", **staged}, {"send_mode": "layerwise", **staged}, roles=("kv_both", "kv_both"))
     for s in (d, p):
         assert stager(s).pool is not None and stager(s).consumer
@@ -539,7 +540,7 @@ def test_staged_tp2(mdir):
         print(msg, file=sys.stderr)
         pytest.skip(msg)
     base = {"transport": os.environ.get("KVWIRE_TEST_TRANSPORT", "auto"), "peer_timeout": PEER_TIMEOUT,
-            "data_listen": "127.0.0.1:0", "staging": "always", "staging_mb": 1}
+            "data_listen": "127.0.0.1:0", "staging": "always", "staging_mb": 1, "d_landing": "mirror"}
     d = Side("kv_consumer", {**base, "policy": "lazy"}, mdir, tp=2)
     p = Side("kv_producer", {**base, "send_mode": "layerwise"}, mdir, tp=2)
     try:
@@ -568,7 +569,7 @@ def test_staged_tp2(mdir):
 def test_landing_is_reported_only_once_its_copy_completed(pair):
     """D's mirror→cache copy completes late (as a CUDA stream copy does): the request stays
     WAITING_FOR_REMOTE_KVS, its cache blocks empty, until the copy's event says done."""
-    d, p = pair({"policy": "lazy", "staging": "always", "staging_mb": 1}, {"send_mode": "whole"})
+    d, p = pair({"policy": "lazy", "staging": "always", "staging_mb": 1, "d_landing": "mirror"}, {"send_mode": "whole"})
     events = defer_copies(stager(d), polls=4)
     dreq = d_request("s2", p)
     d.sched.add_request(dreq)
@@ -590,7 +591,7 @@ def test_landing_is_reported_only_once_its_copy_completed(pair):
 def test_abort_while_landing_frees_the_blocks_after_the_copy(pair):
     """D's request is aborted while its blocks are being copied mirror→cache: the blocks are not
     freed (and cannot be reused) before the copy completed, then freed once, through one report."""
-    d, p = pair({"policy": "lazy", "staging": "always", "staging_mb": 1}, {})
+    d, p = pair({"policy": "lazy", "staging": "always", "staging_mb": 1, "d_landing": "mirror"}, {})
     events = defer_copies(stager(d), polls=10**6)
     dreq = d_request("s6", p)
     d.sched.add_request(dreq)
@@ -614,7 +615,7 @@ def test_abort_while_landing_frees_the_blocks_after_the_copy(pair):
 def test_without_the_landing_copy_the_cache_stays_empty(pair):
     """The landing copy is what moves the bytes: with it disabled, D never reports the request
     and its cache blocks stay empty although every byte is in the mirror."""
-    d, p = pair({"policy": "lazy", "staging": "always", "staging_mb": 1}, {})
+    d, p = pair({"policy": "lazy", "staging": "always", "staging_mb": 1, "d_landing": "mirror"}, {})
     st = stager(d)
     st.land = lambda reqs, block_ids: None
     dreq = d_request("s3", p)
@@ -637,7 +638,7 @@ def test_pool_smaller_than_a_layer_queues_and_splits(pair, send_mode):
     """P's pool holds 2 blocks (K and V) while each layer transfer has 7 blocks and two requests
     are in flight: transfers are split and queued, every byte still arrives, in order."""
     block = 2 * 16 * 2 * 8 * 4  # K and V of one block
-    d, p = pair({"policy": "eager", "staging": "always", "staging_mb": 1},
+    d, p = pair({"policy": "eager", "staging": "always", "staging_mb": 1, "d_landing": "mirror"},
                 {"send_mode": send_mode, "staging": "always", "staging_mb": 2 * block / (1 << 20)})
     assert stager(p).pool.capacity == 2 * block
     dreqs = [d_request(f"q{i}", p, tokens=100) for i in range(2)]
@@ -662,13 +663,139 @@ def test_pool_smaller_than_a_layer_queues_and_splits(pair, send_mode):
     assert stager(p).idle
 
 
+# ---- a staged D with a bounded landing pool (d_landing: pool, the default) ----------------------
+
+#: Bytes of one block over both layers (K and V): 2 x 16 tokens x 2 heads x 8 x float32, x 2 layers.
+BLOCK_ALL_LAYERS = 2 * 16 * 2 * 8 * 4 * len(LAYERS)
+
+
+def pool_mb(slots):
+    return slots * BLOCK_ALL_LAYERS / (1 << 20)
+
+
+def d_registered(d):
+    """What D's data engine has registered, by kind of memory."""
+    return d.worker._worker.engine.metrics()["region_bytes_by_kind"]
+
+
+@pytest.mark.parametrize("send_mode", ["whole", "layerwise"])
+@pytest.mark.parametrize("asked", [None, "eager"])
+def test_staged_d_lands_in_a_pool_an_eighth_of_its_cache(pair, send_mode, asked):
+    """D's KV cache is 8x its staging_mb: D registers the landing pool only (no mirror, not the
+    cache), every request lands there whatever policy it asks for, and D's cache ends up with
+    every byte, K and V."""
+    d, p = pair({"policy": "lazy", "staging": "always", "staging_mb": pool_mb(8)}, {"send_mode": send_mode})
+    cache_bytes = sum(t.numel() * t.element_size() for t in d.kv.values())
+    assert cache_bytes == 8 * 8 * BLOCK_ALL_LAYERS
+    assert stager(d) is not None and not stager(d).consumer and not stager(d).layers[LAYERS[0]].mirror
+    assert all(t.shape[1] == 8 for t in d.worker._worker.landing.values())
+    reg = d_registered(d)
+    assert sum(reg.values()) == 8 * BLOCK_ALL_LAYERS <= pool_mb(8) * (1 << 20) == cache_bytes // 8
+    dreq = d_request("b1", p)
+    if asked:
+        dreq.kv_transfer_params["kvwire_policy"] = asked
+    d.sched.add_request(dreq)
+    d.step()
+    assert d.conn._sched.d_reqs["d/b1"].policy == "land"
+    preq = p_request("b1", d)
+    p.sched.add_request(preq)
+    assert run_until(lambda: dreq.status == RequestStatus.RUNNING, lambda: p.step(p_fill), d.step)
+    ids = d.sched.kv_cache_manager.get_block_ids("d/b1")[0]
+    assert len(ids) == 3
+    assert holds(d.kv, "b1", ids)
+    assert run_until(lambda: dreq.is_finished() and not p.sched.requests, lambda: p.step(p_fill), d.step)
+    assert_no_leak(d)
+    assert_no_leak(p)
+    assert sorted(d.conn._sched.land_free) == list(range(8))  # every slot back
+    assert d_registered(d) == reg
+
+
+def test_staged_pool_too_full_waits_for_slots(pair):
+    """Two requests of 3 blocks each and a pool of 4 slots: the second waits (P keeps its KV),
+    takes the slots once the first was reported, and both arrive byte for byte."""
+    d, p = pair({"policy": "lazy", "staging": "always", "staging_mb": pool_mb(4)}, {"send_mode": "layerwise"})
+    sched = d.conn._sched
+    reqs = {rid: d_request(rid, p) for rid in ("w1", "w2")}
+    for rid, r in reqs.items():
+        d.sched.add_request(r)
+        d.step()
+        p.sched.add_request(p_request(rid, d))
+    assert run_until(lambda: sched.land_waiting, lambda: p.step(p_fill), d.step)
+    waiting = sched.d_by_key[sched.land_waiting[0][0]].req
+    first = next(r for r in reqs.values() if r.request_id != waiting)
+    assert sched.d_reqs[waiting].slots is None  # no slot of the pool: nothing of it can land yet
+    assert reqs[waiting.split("/")[1]].status in (RequestStatus.WAITING, RequestStatus.WAITING_FOR_REMOTE_KVS)
+    assert run_until(lambda: all(r.status == RequestStatus.RUNNING or r.is_finished() for r in reqs.values()),
+                     lambda: p.step(p_fill), d.step)
+    assert not sched.land_waiting
+    for rid, r in reqs.items():
+        ids = d.sched.kv_cache_manager.get_block_ids(r.request_id)[0]
+        assert holds(d.kv, rid, ids), rid
+    assert first.status == RequestStatus.RUNNING or first.is_finished()
+    assert run_until(lambda: all(r.is_finished() for r in reqs.values()) and not p.sched.requests,
+                     lambda: p.step(p_fill), d.step)
+    assert_no_leak(d)
+    assert_no_leak(p)
+    assert sorted(sched.land_free) == list(range(4))
+
+
+def test_request_larger_than_the_pool_fails_without_a_mirror(pair):
+    """A request of 3 blocks and a pool of 2 slots: with no mirror to fall back to, it takes the
+    load-error path; nothing leaks and the pool is untouched."""
+    d, p = pair({"policy": "lazy", "staging": "always", "staging_mb": pool_mb(2)}, {},
+                load_failure_policy="fail")
+    dreq = d_request("big", p)
+    d.sched.add_request(dreq)
+    d.step()
+    p.sched.add_request(p_request("big", d))
+    assert run_until(lambda: dreq.is_finished(), lambda: p.step(p_fill), d.step)
+    assert dreq.status != RequestStatus.RUNNING
+    assert sorted(d.conn._sched.land_free) == [0, 1] and not d.conn._sched.land_waiting
+    assert not any(t.any() for t in d.worker._worker.landing.values())
+    assert run_until(lambda: not p.sched.requests, lambda: p.step(p_fill), d.step)
+    assert_no_leak(d)
+    assert_no_leak(p)
+
+
+def test_abort_of_a_landing_request_gives_its_slots_back(pair):
+    """D's request is aborted while its KV lands in the pool: its slots come back once P
+    confirmed (nothing of it can land any more), and nothing leaks."""
+    d, p = pair({"policy": "lazy", "staging": "always", "staging_mb": pool_mb(4)}, {"send_mode": "layerwise"})
+    sched = d.conn._sched
+    dreq = d_request("ab", p)
+    d.sched.add_request(dreq)
+    d.step()
+    p.sched.add_request(p_request("ab", d))
+    assert run_until(lambda: sched.d_reqs["d/ab"].slots, lambda: p.step(p_fill), d.step)
+    assert len(sched.land_free) == 1
+    d.sched.finish_requests("d/ab", RequestStatus.FINISHED_ABORTED)
+    assert run_until(lambda: not d.sched.requests and not p.sched.requests and len(sched.land_free) == 4,
+                     lambda: p.step(p_fill), d.step)
+    assert sorted(sched.land_free) == list(range(4))
+    assert_no_leak(d)
+    assert_no_leak(p)
+
+
+def test_staged_pool_options():
+    assert staging.d_landing({}) == "pool" and staging.d_landing({"d_landing": "mirror"}) == "mirror"
+    with pytest.raises(kvwire.InvalidArgumentError):
+        staging.d_landing({"d_landing": "host"})
+    assert staging.pool_slots({}, 10 * 4096, 4096) == 10
+    assert staging.pool_slots({"land_pool_blocks": 3}, 10 * 4096, None) == 3
+    with pytest.raises(kvwire.InvalidArgumentError, match="land_pool_blocks"):
+        staging.pool_slots({}, 1 << 20, None)
+    with pytest.raises(kvwire.InvalidArgumentError, match="raise staging_mb"):
+        staging.pool_slots({}, 4095, 4096)
+    assert staging.block_bytes(None) is None
+
+
 @pytest.mark.parametrize("at", ["submit", "complete"])
 def test_failed_staged_write_takes_the_load_error_path(pair, at):
     """P's staged write fails: P reports the layer failed, the request fails on D through the
     load-error path (its blocks in get_block_ids_with_load_errors), nothing leaks, and P's
     staging chunks are all back in the pool."""
-    d, p = pair({"policy": "eager", "staging": "always", "staging_mb": 1},
-                {"staging": "always", "staging_mb": 1}, load_failure_policy="fail")
+    d, p = pair({"policy": "eager", "staging": "always", "staging_mb": 1, "d_landing": "mirror"},
+                {"staging": "always", "staging_mb": 1, "d_landing": "mirror"}, load_failure_policy="fail")
     st = stager(p)
     st.engine = FailingEngine(st.engine, at)
     dreq = d_request("s4", p)

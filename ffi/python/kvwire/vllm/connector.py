@@ -51,6 +51,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 )
 
 from kvwire.vllm import compat
+from kvwire.vllm import staging as _staging
 from kvwire.vllm import stats as _stats
 from kvwire.vllm.options import Options
 from kvwire.vllm.scheduler import SchedulerSide, request_key  # noqa: F401 - request_key re-exported
@@ -107,6 +108,14 @@ class KvwireConnector(KVConnectorBase_V1, compat.SupportsHMA):
         self._is_producer = kt.kv_role in ("kv_producer", "kv_both")
         self._is_consumer = kt.kv_role in ("kv_consumer", "kv_both")
         self._tp = compat.tp_size(vllm_config)
+        # A staged D lands in a bounded pool (staging: every request takes policy land): its
+        # slots, the same for the scheduler and every worker; None otherwise.
+        self._d_pool = None
+        mode, pool_bytes = _staging.parse_options(extra)
+        device = getattr(getattr(vllm_config, "device_config", None), "device_type", "cuda")
+        if self._is_consumer and _staging.d_landing(extra) == "pool" and _staging.wanted(mode, [device]):
+            kcc = getattr(self, "_kv_cache_config", None) or kv_cache_config
+            self._d_pool = _staging.pool_slots(extra, pool_bytes, _staging.block_bytes(kcc))
         self._sched = self._worker = None
         if role == KVConnectorRole.SCHEDULER:
             compat.backport_on_new_request()

@@ -52,11 +52,16 @@ class _DReq:
 class DRequests:
     """D's side of the scheduler hooks (see the module docstring)."""
 
-    def _init_d(self, land_pool_blocks: int) -> None:
+    def _init_d(self, land_pool_blocks: int, staged_pool: bool = False) -> None:
         self.d_reqs: dict[str, _DReq] = {}
         self.d_by_key: dict[int, _DReq] = {}
         # D's landing pool (policy land): free slot ids
+        self.land_slots = land_pool_blocks
         self.land_free = list(range(land_pool_blocks - 1, -1, -1))
+        # A staged D with a bounded landing pool (staging.py): every request lands; one the pool
+        # cannot take now waits here for slots (FIFO: (key, blocks)) instead of falling back
+        self.staged_pool = staged_pool
+        self.land_waiting: list[tuple[int, int]] = []
         # bootstrap endpoints (MooncakeConnector style) -> resolved control address or error
         self.resolved: dict[str, str | Exception | None] = {}
 
@@ -141,6 +146,11 @@ class DRequests:
                     return self._fail_early(request, dp, tokens)
                 self.identity_wait.pop(req, None)
                 policy = dp.policy or self.opts.policy
+                if self.staged_pool and policy != "land":
+                    if dp.policy:
+                        logger.info("kvwire: request %s asked for policy %s; this staged D lands every request "
+                                    "in its pool (d_landing: pool)", req, policy)
+                    policy = "land"
                 core = self.d_core(policy)
                 key = env.request_key(dp.transfer_id)
                 blocks = -(-request.num_prompt_tokens // bs)
@@ -243,7 +253,7 @@ class DRequests:
                     continue
                 st.recv_sent = False
                 if st.slots is not None:  # land: the copy is done, the slots are free again
-                    self.land_free.extend(st.slots)
+                    self._free_slots(st.slots, now)
                     st.slots = None
                 if st.core is None or not self._core_call(st.core.reported, st.key, now, quiet=True):
                     self._forget_d(st)  # a failed request reported through the load-error path
@@ -251,19 +261,45 @@ class DRequests:
                     st.reported = True
             self._run_actions(now)
 
+    def _free_slots(self, slots: list, now: int) -> None:
+        """Landing slots are free again; requests waiting for slots take them in arrival order."""
+        self.land_free.extend(slots)
+        while self.land_waiting:
+            key, blocks = self.land_waiting[0]
+            st = self.d_by_key.get(key)
+            if st is None or st.core is None or st.slots is not None:
+                self.land_waiting.pop(0)  # ended meanwhile
+                continue
+            if len(self.land_free) < blocks:
+                return
+            self.land_waiting.pop(0)
+            st.slots = [self.land_free.pop() for _ in range(blocks)]
+            if not self._core_call(st.core.landing, key, st.slots, now, quiet=True):
+                self.land_free.extend(st.slots)  # the request failed meanwhile
+                st.slots = None
+
     def _d_action(self, core, a, now: int) -> None:
         if isinstance(a, kcore.Send):
             self._send(a.peer, env.TO_P, a.data)
             return
         st = self.d_by_key.get(getattr(a, "req", None))
         if isinstance(a, kcore.MayLand):
-            if st is not None and len(self.land_free) >= a.blocks:
+            if st is not None and len(self.land_free) >= a.blocks and not self.land_waiting:
                 st.slots = [self.land_free.pop() for _ in range(a.blocks)]
                 self._core_call(core.landing, a.req, st.slots, now)
-            else:
+            elif not self.staged_pool:
                 self._core_call(core.land_fallback, a.req, now)
+            elif st is None:
+                pass
+            elif a.blocks > self.land_slots:
+                # without a mirror there is nothing to fall back to: the load-error path
+                logger.warning("kvwire: request %s needs %d blocks, D's landing pool has %d slots (staging_mb, "
+                               "land_pool_blocks): it fails", st.req, a.blocks, self.land_slots)
+                self._core_call(core.abort, a.req, now, quiet=True)
+            else:
+                self.land_waiting.append((a.req, a.blocks))  # P holds its KV until slots free
         elif isinstance(a, kcore.ReleaseLanding):
-            self.land_free.extend(a.slots)
+            self._free_slots(a.slots, now)
             if st is not None:
                 st.slots = None
         elif isinstance(a, kcore.ReportFinished):

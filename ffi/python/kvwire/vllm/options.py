@@ -20,7 +20,8 @@ see :data:`TIMEOUTS`):
 * ``timeline_path``: a directory; each engine and role writes its timeline there as JSON lines
   (bounded buffer, rotated by size: ``timeline_max_mb``, default 64; ``timeline_files``,
   default 4).
-* ``stats_interval``, ``staging``, ``staging_mb``: see the connector module.
+* ``stats_interval``, ``staging``, ``staging_mb``, ``d_landing`` (``pool``, the default, or
+  ``mirror``: where a staged D lands P's writes): see :mod:`kvwire.vllm.staging`.
 * ``bootstrap_port`` (P, MooncakeConnector compatibility): the port of the HTTP bootstrap
   endpoint that a router written for MooncakeConnector queries (``GET /query``); default
   ``$VLLM_MOONCAKE_BOOTSTRAP_PORT`` or 8998; ``0`` turns it off.

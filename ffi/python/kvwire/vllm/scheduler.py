@@ -75,7 +75,7 @@ class SchedulerSide(PeerBook, DRequests, PRequests):
         self.d_cores: dict[str, object] = {}
         self.p_cores: dict[str, object] = {}
         self._init_peers()
-        self._init_d(o.land_pool_blocks)
+        self._init_d(o.land_pool_blocks if c._d_pool is None else c._d_pool, c._d_pool is not None)
         self._init_p()
         self.early: dict[int, list] = {}
         self.early_n = 0

@@ -13,15 +13,21 @@ CUDA therefore moves every byte through host memory registered with its data eng
   as the direct path. It is released when the write completes. A transfer that does not fit in
   the free pool waits in FIFO order, so nothing is reordered across the layers of a request. A
   transfer bigger than the whole pool is split by blocks.
-* **D (target): a landing mirror.** Pinned host memory with exactly the KV cache's layout is
-  registered *instead of* the device tensor. P addresses D as it does without staging and knows
+* **D (target), ``d_landing: pool`` (the default): a bounded landing pool.** D registers no
+  host copy of its cache: every request takes policy ``land``, so P writes into slots of a
+  landing pool of ``staging_mb`` in pinned host memory (``land_pool_blocks`` slots, by default as
+  many blocks over every layer as ``staging_mb`` holds), and once vLLM reserved the request's
+  blocks the workers copy its slots into them before it is reported. A request waits for free
+  slots (P holds its KV meanwhile); one larger than the whole pool fails (the load-error path).
+  The copy runs once every layer landed, not layer by layer.
+* **D (target), ``d_landing: mirror``: a landing mirror.** Pinned host memory with exactly the KV
+  cache's layout is registered *instead of* the device tensor. P addresses D as it does without staging and knows
   nothing of it. When the scheduler reports that a request has fully arrived
   (``finished_recving``, with the request's block ids), its blocks are copied mirror→device
   (``non_blocking`` on the side stream, ordered after the work already on the current stream).
   The request is reported finished only once that copy has completed. A request aborted
   meanwhile keeps its blocks until the copy into them is over.
-  **The mirror costs host memory equal to the KV cache** (pinned when the cache is on CUDA). A
-  bounded landing pool is future work.
+  **The mirror costs host memory equal to the KV cache** (pinned when the cache is on CUDA).
 
 Without CUDA (``staging: always`` over CPU caches, how the CPU tests exercise this path) the same
 code runs with synchronous copies and no events. The CUDA-specific lines are all in
@@ -70,6 +76,47 @@ def parse_options(extra: dict) -> tuple[str, int]:
 def wanted(mode: str, devices) -> bool:
     """Whether a worker whose KV caches are on ``devices`` (torch device types) stages."""
     return mode == "always" or (mode == "auto" and "cuda" in set(devices))
+
+
+#: Where a staged D lands P's writes: ``pool`` (default), a landing pool of ``staging_mb`` in
+#: host memory, every request taking policy ``land``; ``mirror``, host memory with the layout of
+#: the whole KV cache, any policy.
+D_LANDINGS = ("pool", "mirror")
+
+
+def d_landing(extra: dict) -> str:
+    """``d_landing`` from ``kv_connector_extra_config``; ``kvwire.InvalidArgumentError`` if bad."""
+    v = extra.get("d_landing", "pool")
+    if v not in D_LANDINGS:
+        raise kvwire.InvalidArgumentError(f"d_landing must be one of {', '.join(D_LANDINGS)}, got {v!r}")
+    return v
+
+
+def block_bytes(kv_cache_config) -> int | None:
+    """Bytes of one block over every layer (K and V) of one worker, from vLLM's
+    ``KVCacheConfig``; ``None`` when it does not say."""
+    try:
+        n = sum(len(g.layer_names) * g.kv_cache_spec.page_size_bytes for g in kv_cache_config.kv_cache_groups)
+    except (AttributeError, TypeError):
+        return None
+    return n or None
+
+
+def pool_slots(extra: dict, pool_bytes: int, per_block: int | None) -> int:
+    """Slots of a staged D's landing pool (one block over every layer each): ``land_pool_blocks``
+    when it is set, else as many as ``staging_mb`` (``pool_bytes``) holds. The scheduler and the
+    workers compute it alike, from the same ``KVCacheConfig``."""
+    if "land_pool_blocks" in extra:
+        return int(extra["land_pool_blocks"])
+    if per_block is None:
+        raise kvwire.InvalidArgumentError(
+            "d_landing pool: the KV cache's bytes per block are unknown here; set land_pool_blocks")
+    slots = pool_bytes // per_block
+    if slots < 1:
+        raise kvwire.InvalidArgumentError(
+            f"d_landing pool: staging_mb ({pool_bytes} bytes) holds no block of this KV cache "
+            f"({per_block} bytes over every layer); raise staging_mb")
+    return slots
 
 
 class PoolAllocator:

@@ -19,7 +19,9 @@ P (producer), per request, on each TP rank:
 
 D (consumer): the caches are registered and offered to P (``rw``); for policy ``land`` a
 landing pool (``land_pool_blocks`` slots per layer, host memory) is offered after them, and a
-request's slots are copied into its blocks (``land_copies``) before it is reported received.
+request's slots are copied into its blocks (``land_copies``) before it is reported received. A
+staged D with ``d_landing: pool`` offers the pool only (pinned when the cache is on CUDA; see
+:mod:`kvwire.vllm.staging`).
 A ``fence`` names P data engines whose connections to this one are closed before blocks they
 may have written are reused.
 
@@ -177,8 +179,9 @@ class WorkerSide:
             num_blocks = kc.num_blocks
         if kv_caches and _staging.wanted(self.staging_mode, [t.device.type for t in kv_caches.values()]):
             dev = next(iter(kv_caches.values())).device
+            # D with a bounded landing pool registers no mirror: the pool below takes the writes
             self.stager = _staging.Staging(self.engine, dev, self.staging_bytes, self.c._is_producer,
-                                           self.c._is_consumer)
+                                           self.c._is_consumer and self.c._d_pool is None)
         for name, t in kv_caches.items():
             if self.stager is None and str(t.device) != "cpu":
                 raise kvwire.UnsupportedError(
@@ -203,15 +206,16 @@ class WorkerSide:
             self.layers.append(name)
             self.layout = f"{layout}:{t.dtype}".replace("torch.", "")
             self.block_bytes = halves * block_bytes
-        pool = self.c.opts.land_pool_blocks
+        pool = self.c.opts.land_pool_blocks if self.c._d_pool is None else self.c._d_pool
         if self.c._is_consumer and pool > 0:
+            pinned = self.stager is not None and self.stager.dev.cuda
             for name in self.layers:
                 t = self.caches[name]
                 halves, n, bb = self.shape[name]
                 shape = (2, pool) + tuple(t.shape[2:]) if halves == 2 else (pool,) + tuple(t.shape[1:])
-                lt = torch.zeros(shape, dtype=t.dtype)
+                lt = self.stager.dev.host(shape, t.dtype) if pinned else torch.zeros(shape, dtype=t.dtype)
                 self.landing[name] = lt
-                kvwire.register_tensor(self.engine, lt, "rw")
+                kvwire.register_tensor(self.engine, lt, "rw", pinned=pinned)
 
     def handshake(self):
         addr = self.engine.listen_addr
@@ -337,10 +341,11 @@ class WorkerSide:
             halves, n, bb = self.shape[name]
             remote = peer.regions()
             L = len(self.layers)
-            idx = layer + (L if s.dst["landing"] else 0)
-            if len(remote) < L * (2 if s.dst["landing"] else 1):
-                raise kvwire.InvalidArgumentError(
-                    f"D offers {len(remote)} KV regions, P needs {L * (2 if s.dst['landing'] else 1)}")
+            if len(remote) < L:
+                raise kvwire.InvalidArgumentError(f"D offers {len(remote)} KV regions, P needs {L}")
+            # D offers its caches (or mirrors), then its landing pool; a staged D with a bounded
+            # pool offers the pool only: the landing regions are the last L
+            idx = layer + (len(remote) - L if s.dst["landing"] else 0)
             r = remote[idx]
             rn = r.len // (halves * bb)
             if self.stager is not None:
