@@ -256,7 +256,25 @@ pub(crate) fn readiness(
 
 /// Registers `len` bytes of device memory at `addr` (device `device`) with `engine` as a device
 /// region (for same-host peers with the `cuda_ipc` transport). A wrong address is refused by the
-/// driver's lookup of its allocation (`InvalidArgumentError` or `CudaError`), not dereferenced.
+/// driver's lookup of its allocation (`CudaError::InvalidArgument` or `Driver`), not dereferenced.
+pub(crate) fn register_device(
+    engine: &kvwire_transfer::Engine,
+    addr: u64,
+    len: u64,
+    access: kvwire_transfer::Access,
+    device: usize,
+) -> Result<kvwire_transfer::RegionHandle, cuda::CudaError> {
+    let len = usize::try_from(len)
+        .map_err(|_| cuda::CudaError::InvalidArgument("length too large".into()))?;
+    let ctx = cuda::context(device)?;
+    // SAFETY: the callers' contract, stated on every Python entry point that takes an address
+    // (`Engine.register_device`, Mooncake's `register_memory`): the memory stays allocated until
+    // the region is unregistered. The driver checks that `addr` names a device allocation of
+    // `len` bytes before anything is registered.
+    unsafe { cuda::register_device_region(engine, &ctx, addr, len, access) }
+}
+
+/// [`register_device`] for Python (errors as `kvwire` exceptions).
 pub(crate) fn register_device_region(
     engine: &kvwire_transfer::Engine,
     addr: u64,
@@ -264,10 +282,10 @@ pub(crate) fn register_device_region(
     access: kvwire_transfer::Access,
     device: usize,
 ) -> PyResult<kvwire_transfer::RegionHandle> {
-    let len = usize::try_from(len).map_err(|_| invalid("length too large"))?;
-    let ctx = cuda::context(device).map_err(cuda_to_py)?;
-    // SAFETY: the caller's contract, stated in `Engine.register_device`'s documentation: the
-    // memory stays allocated until the region is unregistered. The driver checks that `addr`
-    // names a device allocation of `len` bytes before anything is registered.
-    unsafe { cuda::register_device_region(engine, &ctx, addr, len, access) }.map_err(cuda_to_py)
+    register_device(engine, addr, len, access, device).map_err(cuda_to_py)
+}
+
+/// The CUDA device whose memory `addr` is; `None` for other addresses and without a driver.
+pub(crate) fn device_of(addr: u64) -> Option<usize> {
+    cuda::device_ordinal(addr).ok().flatten()
 }

@@ -23,7 +23,8 @@
 #      the CUDA tests of tests/python/test_engine_layer.py (a CUDA tensor as a layer-stream
 #      source from Python, every byte checked); tests/gpu/test_cuda_ipc.py: the cuda_ipc
 #      transport from Python (CUDA tensors of two processes registered as device regions,
-#      written, read back and checked at both ends).
+#      written, read back and checked at both ends); tests/gpu/test_mooncake_cuda.py: the
+#      Mooncake drop-in registering CUDA tensors and moving them between two processes.
 #   4. kvwire-bench cuda-ipc: copies into a second process's device memory over CUDA IPC next
 #      to device-to-device copies within one process, same bytes and GPU, 64 KiB to 1 GiB
 #      chunks, both destinations checksummed against the source.
@@ -92,7 +93,8 @@ if [[ -n "$WHEEL" ]]; then
   SITE=$(mktemp -d)
   python3 -m pip install -q --no-index --no-deps --no-compile --target "$SITE" "$WHEEL"
   step staging-cuda env PYTHONPATH="$SITE" KVWIRE_REQUIRE_CUDA=1 python3 -m pytest -q -p no:cacheprovider -rs \
-    tests/gpu/test_staging_cuda.py tests/gpu/test_cuda_ipc.py tests/python/test_engine_layer.py \
+    tests/gpu/test_staging_cuda.py tests/gpu/test_cuda_ipc.py tests/gpu/test_mooncake_cuda.py \
+    tests/python/test_engine_layer.py \
     -k "cuda or staging or pinned"
 else
   echo "FAIL: no kvwire wheel (tests/gpu/build.sh makes one)" | tee "$OUT/staging-cuda.txt"

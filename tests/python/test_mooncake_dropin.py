@@ -4,6 +4,8 @@ processes, every byte checked at both ends; failures return -1 (never hang, neve
 import ctypes
 import hashlib
 import inspect
+import os
+import sys
 import threading
 
 import pytest
@@ -277,3 +279,15 @@ def test_last_error_describes_the_latest_call():
     assert src_te.last_error() == ""
     assert sha(dst_te.read_bytes_from_buffer(daddr, len(data))) == sha(data)
     del src, dst
+
+
+def test_nvlink_protocol_without_cuda_fails_with_the_reason():
+    """``nvlink`` (Mooncake's same-node GPU transport) maps to kvwire's cuda_ipc: without a CUDA
+    driver, initialize returns -1 and says why."""
+    if os.path.exists("/proc/driver/nvidia"):
+        msg = "SKIPPED: an NVIDIA driver is here; tests/gpu/test_mooncake_cuda.py covers it"
+        print(msg, file=sys.stderr)
+        pytest.skip(msg)
+    te = TransferEngine()
+    assert te.initialize("127.0.0.1", "P2PHANDSHAKE", "nvlink", "") < 0
+    assert "CUDA" in te.last_error()

@@ -14,6 +14,12 @@ memory is named by the peer's virtual addresses, which kvwire maps to the peer's
 buffers through an address map each engine publishes in a small read-only region of its own;
 anything outside them is refused.
 
+CUDA memory (a GPU KV cache's ``data_ptr()``) registers as a device region: peers on the same
+host reach it with CUDA IPC, device to device (protocol ``rdma``, which picks the best transport
+per peer, or ``nvlink``/``cuda_ipc`` for CUDA IPC only). ``tcp`` and ``shm`` refuse transfers
+that name device memory (``-1``, the reason in ``last_error()``); across hosts, GPU memory needs
+GPUDirect RDMA, which kvwire does not have yet.
+
 Code that imports ``mooncake.engine`` itself (vLLM's MooncakeConnector, SGLang) switches to
 kvwire without a source change through a two-file shim package::
 

@@ -144,6 +144,8 @@ impl TransferEngineBase {
         let transport = match protocol.to_ascii_lowercase().as_str() {
             "tcp" => TransportKind::Tcp,
             "shm" => TransportKind::Shm,
+            // Mooncake's same-node GPU transports: CUDA IPC between device buffers
+            "nvlink" | "nvlink_intra" | "cuda_ipc" => TransportKind::CudaIpc,
             _ => TransportKind::Auto,
         };
         let timeout = std::env::var("MC_TRANSFER_TIMEOUT")

@@ -105,7 +105,18 @@ impl Inner {
                 )));
             }
         }
-        let h = rawmem::register(&self.engine, addr, len, Access::ReadWrite, false)?;
+        let h = match rawmem::check_mapped(addr, len) {
+            Ok(()) => rawmem::register(&self.engine, addr, len, Access::ReadWrite, false)?,
+            // CUDA device memory (Mooncake registers GPU KV caches): a device region, which
+            // same-host peers reach with the cuda_ipc transport
+            Err(host) => match crate::cuda::device_of(addr) {
+                Some(dev) => {
+                    crate::cuda::register_device(&self.engine, addr, len, Access::ReadWrite, dev)
+                        .map_err(|e| MError::Other(format!("registering CUDA memory: {e}")))?
+                }
+                None => return Err(MError::Engine(Error::InvalidArgument(host))),
+            },
+        };
         local.regions.insert(addr, (h, len));
         if let Some(m) = managed {
             local.managed.insert(addr, m);

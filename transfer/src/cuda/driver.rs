@@ -74,3 +74,37 @@ pub(crate) fn create_blocking_event() -> Result<sys::CUevent, CudaError> {
     unsafe { sys::cuEventCreate(&mut ev, flags).result()? };
     Ok(ev)
 }
+
+/// The ordinal of the device whose memory `ptr` is (`cuPointerGetAttribute`); `None` for an
+/// address the driver does not know as device memory (host memory, or no allocation). The
+/// address is only looked up, never dereferenced.
+pub fn device_ordinal(ptr: u64) -> Result<Option<usize>, CudaError> {
+    if !driver_present() {
+        return Err(CudaError::NoDriver);
+    }
+    result::init()?;
+    let mut kind: u32 = 0;
+    // SAFETY: a valid out-pointer of the attribute's size (an unsigned int); the driver only
+    // looks the address up.
+    let r = unsafe {
+        sys::cuPointerGetAttribute(
+            (&mut kind as *mut u32).cast(),
+            sys::CUpointer_attribute::CU_POINTER_ATTRIBUTE_MEMORY_TYPE,
+            ptr,
+        )
+    };
+    if r != sys::CUresult::CUDA_SUCCESS || kind != sys::CUmemorytype::CU_MEMORYTYPE_DEVICE as u32 {
+        return Ok(None);
+    }
+    let mut ordinal: i32 = -1;
+    // SAFETY: as above (the ordinal is an int).
+    unsafe {
+        sys::cuPointerGetAttribute(
+            (&mut ordinal as *mut i32).cast(),
+            sys::CUpointer_attribute::CU_POINTER_ATTRIBUTE_DEVICE_ORDINAL,
+            ptr,
+        )
+        .result()?
+    };
+    Ok(usize::try_from(ordinal).ok())
+}

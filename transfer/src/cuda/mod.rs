@@ -56,7 +56,9 @@ use crate::layer::{
 use crate::types::{Access, RegionHandle};
 
 pub(crate) use driver::create_blocking_event;
-pub use driver::{context, device_count, driver_present, gpudirect_rdma_supported, CudaError};
+pub use driver::{
+    context, device_count, device_ordinal, driver_present, gpudirect_rdma_supported, CudaError,
+};
 pub use region::register_device_region;
 
 /// The GPUDirect seam: a transport that can register device memory with its NIC returns an
