@@ -7,10 +7,14 @@
 
 #![cfg(feature = "cuda")]
 
-use std::io::{BufRead, BufReader, Write};
-use std::process::{Child, ChildStdin, ChildStdout, Command, Stdio};
+#[path = "common/child.rs"]
+mod child;
+
+use std::io::{BufRead, Write};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
+
+use child::{fnv, Child};
 
 use kvwire_testkit::pattern;
 use kvwire_transfer::cuda::ipc::{DeviceBuffer, DeviceCopier};
@@ -22,15 +26,6 @@ const CHILD_ENV: &str = "KVWIRE_CUDA_IPC_CHILD";
 const DEV_LEN: usize = 64 << 20;
 /// The target's host region.
 const HOST_LEN: usize = 1 << 20;
-
-fn fnv(data: &[u8]) -> u64 {
-    let mut h: u64 = 0xcbf2_9ce4_8422_2325;
-    for &b in data {
-        h ^= u64::from(b);
-        h = h.wrapping_mul(0x0000_0100_0000_01b3);
-    }
-    h
-}
 
 /// A CUDA context on device 0, or `None` after saying SKIPPED (a failure when required).
 fn gpu(test: &str) -> Option<Arc<cudarc::driver::CudaContext>> {
@@ -69,7 +64,7 @@ fn child_entry() {
     let hr = engine.alloc_region(HOST_LEN, Access::ReadWrite).unwrap();
     let notes = engine.notifications();
     println!(
-        "READY {} {} {}",
+        "KVW READY {} {} {}",
         engine.listen_addr(),
         engine.region_id(dr).index,
         engine.region_id(hr).index
@@ -81,27 +76,27 @@ fn child_entry() {
             ["DEV", off, n] => {
                 let mut buf = vec![0u8; n.parse().unwrap()];
                 dev.download(off.parse().unwrap(), &mut buf).unwrap();
-                println!("FNV {}", fnv(&buf));
+                println!("KVW FNV {}", fnv(&buf));
             }
             ["HOST", off, n] => {
                 let mut buf = vec![0u8; n.parse().unwrap()];
                 engine
                     .local_read(hr, off.parse().unwrap(), &mut buf)
                     .unwrap();
-                println!("FNV {}", fnv(&buf));
+                println!("KVW FNV {}", fnv(&buf));
             }
             ["FILL", seed] => {
                 dev.upload(0, &pattern::bytes(seed.parse().unwrap(), 0, DEV_LEN))
                     .unwrap();
-                println!("FNV 0");
+                println!("KVW FNV 0");
             }
             ["NOTIFY", ms] => {
                 match notes.recv_timeout(Duration::from_millis(ms.parse().unwrap())) {
-                    Ok(n) => println!("TAG {}", String::from_utf8_lossy(&n.tag)),
-                    Err(_) => println!("NOTAG"),
+                    Ok(n) => println!("KVW TAG {}", String::from_utf8_lossy(&n.tag)),
+                    Err(_) => println!("KVW NOTAG"),
                 }
             }
-            _ => println!("ERR"),
+            _ => println!("KVW ERR"),
         }
         std::io::stdout().flush().unwrap();
     }
@@ -111,8 +106,6 @@ fn child_entry() {
 
 struct Target {
     child: Child,
-    stdin: Option<ChildStdin>,
-    out: BufReader<ChildStdout>,
     addr: std::net::SocketAddr,
     dev: u32,
     host: u32,
@@ -120,35 +113,10 @@ struct Target {
 
 impl Target {
     fn spawn() -> Target {
-        let exe = std::env::current_exe().unwrap();
-        let mut child = Command::new(exe)
-            .args(["--ignored", "--exact", "child_entry", "--nocapture"])
-            .env(CHILD_ENV, "1")
-            .stdin(Stdio::piped())
-            .stdout(Stdio::piped())
-            .stderr(Stdio::inherit())
-            .spawn()
-            .unwrap();
-        let stdin = child.stdin.take();
-        let mut out = BufReader::new(child.stdout.take().unwrap());
-        let mut line = String::new();
-        let mut ready = None;
-        while ready.is_none() {
-            line.clear();
-            assert!(
-                out.read_line(&mut line).unwrap() > 0,
-                "target exited before READY"
-            );
-            if let Some(i) = line.find("READY ") {
-                ready = Some(line[i + 6..].to_string());
-            }
-        }
-        let ready = ready.unwrap();
+        let (child, ready) = Child::spawn("child_entry", true, &[(CHILD_ENV, "1".to_string())]);
         let w: Vec<&str> = ready.split_whitespace().collect();
         Target {
             child,
-            stdin,
-            out,
             addr: w[0].parse().unwrap(),
             dev: w[1].parse().unwrap(),
             host: w[2].parse().unwrap(),
@@ -156,30 +124,12 @@ impl Target {
     }
 
     fn ask(&mut self, cmd: &str) -> String {
-        let stdin = self.stdin.as_mut().unwrap();
-        writeln!(stdin, "{cmd}").unwrap();
-        stdin.flush().unwrap();
-        let mut line = String::new();
-        loop {
-            line.clear();
-            assert!(self.out.read_line(&mut line).unwrap() > 0, "target exited");
-            let l = line.trim();
-            if l.starts_with("FNV ") || l.starts_with("TAG ") || l == "NOTAG" || l == "ERR" {
-                return l.to_string();
-            }
-        }
+        self.child.cmd(cmd)
     }
 
     fn fnv(&mut self, what: &str, off: usize, n: usize) -> u64 {
         let r = self.ask(&format!("{what} {off} {n}"));
         r.strip_prefix("FNV ").expect(&r).parse().unwrap()
-    }
-}
-
-impl Drop for Target {
-    fn drop(&mut self) {
-        drop(self.stdin.take());
-        let _ = self.child.wait();
     }
 }
 

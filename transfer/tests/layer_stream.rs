@@ -4,10 +4,14 @@
 //!
 //! The target is this test binary re-executed with `--ignored --exact child_target_entry`.
 
-use std::io::{BufRead, BufReader, Write};
-use std::process::{Child, ChildStdin, ChildStdout, Command, Stdio};
+#[path = "common/child.rs"]
+mod child;
+
+use std::io::{BufRead, Write};
 use std::sync::Arc;
 use std::time::Duration;
+
+use child::{fnv, Child};
 
 use kvwire_testkit::pattern;
 use kvwire_transfer::layer::{
@@ -17,15 +21,6 @@ use kvwire_transfer::layer::{
 use kvwire_transfer::{Access, Engine, EngineConfig, Peer, RegionHandle, RegionId, TransportKind};
 
 const CHILD_ENV: &str = "KVWIRE_LAYER_TEST_CHILD";
-
-fn fnv(data: &[u8]) -> u64 {
-    let mut h: u64 = 0xcbf2_9ce4_8422_2325;
-    for &b in data {
-        h ^= u64::from(b);
-        h = h.wrapping_mul(0x0000_0100_0000_01b3);
-    }
-    h
-}
 
 fn transport_name(t: TransportKind) -> &'static str {
     match t {
@@ -56,7 +51,7 @@ fn child_target_entry() {
     .unwrap();
     let region = engine.alloc_region(len, Access::WriteOnly).unwrap();
     let notes = engine.notifications();
-    println!("READY {}", engine.listen_addr());
+    println!("KVW READY {}", engine.listen_addr());
     let stdin = std::io::stdin();
     for line in stdin.lock().lines() {
         let Ok(line) = line else { break };
@@ -66,106 +61,57 @@ fn child_target_entry() {
                 let (off, n): (u64, usize) = (off.parse().unwrap(), n.parse().unwrap());
                 let mut buf = vec![0u8; n];
                 engine.local_read(region, off, &mut buf).unwrap();
-                println!("HASH {}", fnv(&buf));
+                println!("KVW HASH {}", fnv(&buf));
             }
             ["ZERO"] => {
                 engine.local_write(region, 0, &vec![0u8; len]).unwrap();
-                println!("OK");
+                println!("KVW OK");
             }
             ["NOTIFY", ms] => {
                 match notes.recv_timeout(Duration::from_millis(ms.parse().unwrap())) {
-                    Ok(n) => println!("TAG {}", String::from_utf8_lossy(&n.tag)),
-                    Err(_) => println!("NOTAG"),
+                    Ok(n) => println!("KVW TAG {}", String::from_utf8_lossy(&n.tag)),
+                    Err(_) => println!("KVW NOTAG"),
                 }
             }
-            _ => println!("ERR"),
+            _ => println!("KVW ERR"),
         }
     }
 }
 
 struct Target {
     child: Child,
-    stdin: Option<ChildStdin>,
-    out: BufReader<ChildStdout>,
     addr: std::net::SocketAddr,
 }
 
 impl Target {
     fn spawn(len: usize, transport: TransportKind) -> Target {
-        let exe = std::env::current_exe().unwrap();
-        let mut child = Command::new(exe)
-            .args([
-                "--ignored",
-                "--exact",
-                "child_target_entry",
-                "--nocapture",
-                "--test-threads=1",
-            ])
-            .env(CHILD_ENV, "1")
-            .env("KVWIRE_LAYER_TEST_LEN", len.to_string())
-            .env("KVWIRE_LAYER_TEST_TRANSPORT", transport_name(transport))
-            .stdin(Stdio::piped())
-            .stdout(Stdio::piped())
-            .stderr(Stdio::inherit())
-            .spawn()
-            .unwrap();
-        let stdin = child.stdin.take();
-        let mut out = BufReader::new(child.stdout.take().unwrap());
-        let mut addr = None;
-        let mut line = String::new();
-        while addr.is_none() {
-            line.clear();
-            assert!(
-                out.read_line(&mut line).unwrap() > 0,
-                "target exited before READY"
-            );
-            // libtest prints "test child_target_entry ... " before our line
-            if let Some(i) = line.find("READY ") {
-                addr = Some(line[i + 6..].trim().parse().unwrap());
-            }
-        }
+        let env = [
+            (CHILD_ENV, "1".to_string()),
+            ("KVWIRE_LAYER_TEST_LEN", len.to_string()),
+            (
+                "KVWIRE_LAYER_TEST_TRANSPORT",
+                transport_name(transport).to_string(),
+            ),
+        ];
+        let (child, ready) = Child::spawn("child_target_entry", true, &env);
         Target {
             child,
-            stdin,
-            out,
-            addr: addr.unwrap(),
-        }
-    }
-
-    fn ask(&mut self, cmd: &str, prefix: &str) -> String {
-        let stdin = self.stdin.as_mut().unwrap();
-        writeln!(stdin, "{cmd}").unwrap();
-        stdin.flush().unwrap();
-        let mut line = String::new();
-        loop {
-            line.clear();
-            assert!(self.out.read_line(&mut line).unwrap() > 0, "target exited");
-            let l = line.trim();
-            if l.starts_with(prefix) || l == "NOTAG" || l == "ERR" {
-                return l.to_string();
-            }
+            addr: ready.trim().parse().unwrap(),
         }
     }
 
     fn hash(&mut self, off: u64, len: u64) -> u64 {
-        let r = self.ask(&format!("HASH {off} {len}"), "HASH ");
-        r.trim_start_matches("HASH ").parse().unwrap()
+        let r = self.child.cmd(&format!("HASH {off} {len}"));
+        r.strip_prefix("HASH ").expect(&r).parse().unwrap()
     }
 
     fn notification(&mut self, ms: u64) -> Option<String> {
-        let r = self.ask(&format!("NOTIFY {ms}"), "TAG ");
+        let r = self.child.cmd(&format!("NOTIFY {ms}"));
         r.strip_prefix("TAG ").map(str::to_string)
     }
 
     fn zero(&mut self) {
-        assert_eq!(self.ask("ZERO", "OK"), "OK");
-    }
-}
-
-impl Drop for Target {
-    fn drop(&mut self) {
-        drop(self.stdin.take());
-        let _ = self.child.wait();
+        assert_eq!(self.child.cmd("ZERO"), "OK");
     }
 }
 
@@ -798,8 +744,8 @@ fn dead_peer_fails_the_stream() {
     s.wait_layer_timeout(0, Duration::from_secs(10))
         .unwrap()
         .unwrap();
-    let _ = st.target.child.kill();
-    let _ = st.target.child.wait();
+    let _ = st.target.child.process().kill();
+    let _ = st.target.child.process().wait();
     for l in 1..4 {
         s.layer_ready(l, Immediate).unwrap();
     }

@@ -4,15 +4,17 @@
 //! the hostile-client tests ([`hostile`]).
 #![allow(dead_code)]
 
+pub mod child;
 pub mod hostile;
 pub mod race;
 pub mod raw_peer;
 
-use std::io::{BufRead, BufReader, Write};
+use std::io::{BufRead, Write};
 use std::net::SocketAddr;
-use std::process::{Child, ChildStdin, Command, Stdio};
-use std::sync::mpsc;
+use std::process::Command;
 use std::time::Duration;
+
+pub use child::Child;
 
 use kvwire_transfer::{Access, Engine, EngineConfig, Op, RegionHandle, RegionId};
 
@@ -280,8 +282,6 @@ fn raw_slice(addr: usize, len: usize) -> &'static mut [u8] {
 /// A target engine in a child process.
 pub struct Target {
     child: Child,
-    stdin: ChildStdin,
-    lines: mpsc::Receiver<String>,
     /// Its listen address.
     pub addr: SocketAddr,
 }
@@ -289,59 +289,29 @@ pub struct Target {
 impl Target {
     /// Spawns a child (`test_name` must be the test function calling `child_entry`).
     pub fn spawn(test_name: &str, regions: &str, secret: Option<&str>) -> Target {
-        let mut cmd = Command::new(std::env::current_exe().expect("current exe"));
-        cmd.args(["--exact", test_name, "--nocapture", "--test-threads=1"])
-            .env("KVWIRE_TEST_CHILD", "1")
-            .env("KVWIRE_CHILD_REGIONS", regions)
-            .stdin(Stdio::piped())
-            .stdout(Stdio::piped());
+        let mut env = vec![
+            ("KVWIRE_TEST_CHILD", "1".to_string()),
+            ("KVWIRE_CHILD_REGIONS", regions.to_string()),
+        ];
         if let Some(s) = secret {
-            cmd.env("KVWIRE_CHILD_SECRET", s);
+            env.push(("KVWIRE_CHILD_SECRET", s.to_string()));
         }
-        let mut child = cmd.spawn().expect("spawn child");
-        let stdin = child.stdin.take().expect("stdin");
-        let stdout = child.stdout.take().expect("stdout");
-        let (tx, rx) = mpsc::channel();
-        std::thread::spawn(move || {
-            for l in BufReader::new(stdout).lines() {
-                let Ok(l) = l else { break };
-                // The test harness may print "test child_main ... " before our first line.
-                if let Some(i) = l.find("KVW ") {
-                    if tx.send(l[i + 4..].to_string()).is_err() {
-                        break;
-                    }
-                }
-            }
-        });
-        let first = rx
-            .recv_timeout(Duration::from_secs(30))
-            .expect("child did not start");
-        let addr = first
-            .strip_prefix("READY ")
-            .unwrap_or_else(|| panic!("child said {first}"))
-            .parse()
-            .expect("addr");
+        let (child, ready) = Child::spawn(test_name, false, &env);
         Target {
             child,
-            stdin,
-            lines: rx,
-            addr,
+            addr: ready.parse().expect("addr"),
         }
     }
 
     /// Sends a command, returns the reply line.
     pub fn cmd(&mut self, c: &str) -> String {
-        writeln!(self.stdin, "{c}").expect("child stdin");
-        self.stdin.flush().expect("flush");
-        self.lines
-            .recv_timeout(Duration::from_secs(60))
-            .unwrap_or_else(|_| panic!("child did not answer {c}"))
+        self.child.cmd(c)
     }
 
     /// Kills the child (SIGKILL).
     pub fn kill(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
+        let _ = self.child.process().kill();
+        let _ = self.child.process().wait();
     }
 
     /// Sends a signal to the child.
@@ -349,7 +319,7 @@ impl Target {
         // Through kill(1): the tests do not depend on libc.
         let _ = Command::new("kill")
             .arg(format!("-{sig}"))
-            .arg(self.child.id().to_string())
+            .arg(self.pid().to_string())
             .status();
     }
 
@@ -357,7 +327,7 @@ impl Target {
     /// when the signal is queued, not when each thread has stopped). Bounded: 10 s.
     pub fn stop(&self) {
         self.signal(19);
-        let tasks = format!("/proc/{}/task", self.child.id());
+        let tasks = format!("/proc/{}/task", self.pid());
         let all_stopped = || -> bool {
             let Ok(dir) = std::fs::read_dir(&tasks) else {
                 return false;
@@ -378,7 +348,7 @@ impl Target {
             assert!(
                 t0.elapsed() < Duration::from_secs(10),
                 "child {} did not stop after SIGSTOP",
-                self.child.id()
+                self.pid()
             );
             std::thread::sleep(Duration::from_millis(2));
         }
@@ -392,8 +362,6 @@ impl Target {
 
 impl Drop for Target {
     fn drop(&mut self) {
-        let _ = writeln!(self.stdin, "exit");
-        let _ = self.child.kill();
-        let _ = self.child.wait();
+        let _ = self.child.process().kill();
     }
 }
