@@ -90,12 +90,7 @@ fn child_entry() {
                     .unwrap();
                 println!("KVW FNV 0");
             }
-            ["NOTIFY", ms] => {
-                match notes.recv_timeout(Duration::from_millis(ms.parse().unwrap())) {
-                    Ok(n) => println!("KVW TAG {}", String::from_utf8_lossy(&n.tag)),
-                    Err(_) => println!("KVW NOTAG"),
-                }
-            }
+            ["NOTIFY", ms] => child::answer_notification(&notes, ms),
             _ => println!("KVW ERR"),
         }
         std::io::stdout().flush().unwrap();

@@ -67,12 +67,7 @@ fn child_target_entry() {
                 engine.local_write(region, 0, &vec![0u8; len]).unwrap();
                 println!("KVW OK");
             }
-            ["NOTIFY", ms] => {
-                match notes.recv_timeout(Duration::from_millis(ms.parse().unwrap())) {
-                    Ok(n) => println!("KVW TAG {}", String::from_utf8_lossy(&n.tag)),
-                    Err(_) => println!("KVW NOTAG"),
-                }
-            }
+            ["NOTIFY", ms] => child::answer_notification(&notes, ms),
             _ => println!("KVW ERR"),
         }
     }

@@ -19,6 +19,15 @@ pub fn fnv(data: &[u8]) -> u64 {
     h
 }
 
+/// The child's answer to `NOTIFY ms`: the tag of the next notification within `ms`
+/// milliseconds (`KVW TAG ...`), or `KVW NOTAG`.
+pub fn answer_notification(notes: &kvwire_transfer::Notifications, ms: &str) {
+    match notes.recv_timeout(Duration::from_millis(ms.parse().unwrap_or(0))) {
+        Ok(n) => println!("KVW TAG {}", String::from_utf8_lossy(&n.tag)),
+        Err(_) => println!("KVW NOTAG"),
+    }
+}
+
 /// The child process.
 pub struct Child {
     child: std::process::Child,
