@@ -199,12 +199,25 @@ impl IpcMapping {
         // SAFETY: a valid out-pointer and a handle passed by value; the driver checks the
         // handle and fails (it does not fault) on one it does not know.
         unsafe { sys::cuIpcOpenMemHandle_v2(&mut base, h, flags).result()? };
-        Ok(IpcMapping {
+        let m = IpcMapping {
             ctx,
             base,
             offset: exp.offset,
             len: exp.len,
-        })
+        };
+        // The range comes from the other process: it must lie inside what was mapped, or a
+        // copy past the allocation would fault on the device (and poison this context).
+        let mut start: sys::CUdeviceptr = 0;
+        let mut size: usize = 0;
+        // SAFETY: two valid out-pointers; `base` was just mapped.
+        unsafe { sys::cuMemGetAddressRange_v2(&mut start, &mut size, base).result()? };
+        if start != base || !within(size as u64, exp.offset, exp.len) {
+            return Err(CudaError::InvalidArgument(format!(
+                "the peer's range ({} bytes at offset {}) runs past its allocation ({size} bytes)",
+                exp.len, exp.offset
+            )));
+        }
+        Ok(m)
     }
 
     /// Length of the range exported.
