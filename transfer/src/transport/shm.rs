@@ -469,3 +469,162 @@ mod probe_tests {
         assert!(!t.usable_with(&me, Some(&unmapped)));
     }
 }
+
+/// The device path of [`ShmPeer`] (what `cuda_ipc` plugs in) against a host-memory stand-in for
+/// the GPU: copies are queued, and run only when `finish` is let through by the test.
+#[cfg(test)]
+mod device_tests {
+    use std::sync::mpsc;
+    use std::time::{Duration, Instant};
+
+    use super::*;
+    use crate::batch::Timer;
+    use crate::region::{RegionEntry, RegionGate};
+    use crate::types::{Access, DeviceIpc};
+
+    /// "Device memory" of the peer: host memory, keyed by region; copies wait for `finish`.
+    struct StandIn {
+        remote: Arc<RegionMem>,
+        queued: Mutex<Vec<(Dir, Arc<RegionMem>, u64, u64, usize)>>,
+        release: Mutex<mpsc::Receiver<()>>,
+        entered: Mutex<mpsc::Sender<()>>,
+    }
+
+    impl DeviceCopy for StandIn {
+        fn queue(&self, dir: Dir, x: &Xfer) -> Result<(), Error> {
+            let ok = x.remote.ipc.is_some() && x.remote_offset + x.len <= self.remote.len() as u64;
+            if !ok {
+                return Err(Error::InvalidArgument("stand-in: bad copy".into()));
+            }
+            self.queued.lock().push((
+                dir,
+                x.local.mem.clone(),
+                x.local_offset,
+                x.remote_offset,
+                x.len as usize,
+            ));
+            Ok(())
+        }
+        fn finish(&self) -> Result<(), Error> {
+            let _ = self.entered.lock().send(());
+            self.release.lock().recv().expect("released");
+            for (dir, local, lo, ro, n) in self.queued.lock().drain(..) {
+                match dir {
+                    Dir::Write => RegionMem::copy_between(&local, lo, &self.remote, ro, n)?,
+                    Dir::Read => RegionMem::copy_between(&self.remote, ro, &local, lo, n)?,
+                }
+            }
+            Ok(())
+        }
+        fn forget(&self, _ids: &[RegionId]) {}
+        fn clear(&self) {}
+    }
+
+    fn stats() -> BatchStats {
+        BatchStats {
+            bytes: 1 << 16,
+            ops: 2,
+            writes: 2,
+            slices: 2,
+            transport: TransportKind::CudaIpc,
+        }
+    }
+
+    #[test]
+    fn device_copies_complete_before_the_notification_and_the_withdrawal() {
+        let (release_tx, release_rx) = mpsc::channel();
+        let (entered_tx, entered_rx) = mpsc::channel();
+        let remote = Arc::new(RegionMem::alloc_memfd(1 << 20).expect("memfd"));
+        let dev = StandIn {
+            remote: remote.clone(),
+            queued: Mutex::new(Vec::new()),
+            release: Mutex::new(release_rx),
+            entered: Mutex::new(entered_tx),
+        };
+        let ctrl = Arc::new(CtrlWriter::new(1 << 20));
+        let (worker, _jobs) = crossbeam_channel::unbounded::<CopyJob>();
+        let peer = Arc::new(ShmPeer::new(1, ctrl.clone(), worker, Some(Box::new(dev))));
+        assert_eq!(peer.kind(), TransportKind::CudaIpc);
+        let local = Arc::new(RegionEntry {
+            id: RegionId {
+                index: 1,
+                generation: 1,
+            },
+            access: Access::Local,
+            mem: Arc::new(RegionMem::alloc_memfd(1 << 20).expect("memfd")),
+            gate: RegionGate::default(),
+        });
+        let data: Vec<u8> = (0..1 << 16).map(|i| (i * 7 + 3) as u8).collect();
+        local.mem.copy_in(4096, &data).expect("fill");
+        let wire = WireRegion {
+            id: RegionId {
+                index: 9,
+                generation: 2,
+            },
+            len: 1 << 20,
+            access: Access::ReadWrite,
+            addr: 0,
+            fd: -1,
+            ino: 0,
+            rkey: 0,
+            ipc: Some(DeviceIpc {
+                handle: [5; 64],
+                offset: 0,
+            }),
+        };
+        let xfer = |lo: u64, ro: u64| Xfer {
+            local: local.clone(),
+            local_offset: lo,
+            remote: wire,
+            remote_offset: ro,
+            len: 1 << 15,
+        };
+        let timer = Arc::new(Timer::default());
+        let st = BatchState::new(
+            7,
+            1,
+            stats(),
+            Instant::now() + Duration::from_secs(60),
+            Vec::new(),
+            &timer,
+        );
+        let sh = peer.sh.clone();
+        let (st2, xfers) = (
+            st.clone(),
+            vec![xfer(4096, 0), xfer(4096 + (1 << 15), 1 << 19)],
+        );
+        let run = std::thread::spawn(move || sh.run(&st2, Dir::Write, &xfers, Some(b"t".to_vec())));
+        entered_rx.recv().expect("finish entered");
+        // Queued, not finished: no notification yet, no byte there, and a withdrawal of the
+        // target region waits for the copies.
+        assert_eq!(ctrl.queued_bytes(), 0);
+        let mut first = vec![0u8; 1 << 15];
+        remote.copy_out(0, &mut first).expect("read");
+        assert!(first.iter().all(|&b| b == 0));
+        // Both copies count as running into the target region (a withdrawal waits for them)
+        // and hold the local region's gate.
+        assert_eq!(peer.sh.guard.lock().busy.get(&wire.id), Some(&2));
+        let p2 = peer.clone();
+        let revoke = std::thread::spawn(move || p2.regions_removed(&[wire.id]));
+        release_tx.send(()).expect("release");
+        run.join().expect("run");
+        revoke.join().expect("revoke");
+        assert!(ctrl.queued_bytes() > 0, "the notification after the copies");
+        let mut got = vec![0u8; 1 << 16];
+        remote.copy_out(0, &mut got[..1 << 15]).expect("read");
+        remote.copy_out(1 << 19, &mut got[1 << 15..]).expect("read");
+        assert_eq!(got, data, "every byte, both copies");
+        // Withdrawn: the next batch naming the region fails, before any copy.
+        let st3 = BatchState::new(
+            8,
+            1,
+            stats(),
+            Instant::now() + Duration::from_secs(60),
+            Vec::new(),
+            &timer,
+        );
+        peer.sh.run(&st3, Dir::Write, &[xfer(0, 0)], None);
+        let done = crate::batch::Batch { state: st3 };
+        assert!(matches!(done.wait(), Err(Error::StaleRegion(_))));
+    }
+}
