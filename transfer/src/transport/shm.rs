@@ -482,10 +482,13 @@ mod device_tests {
     use crate::region::{RegionEntry, RegionGate};
     use crate::types::{Access, DeviceIpc};
 
+    /// A queued copy: direction, local memory and offset, remote offset, length.
+    type Queued = (Dir, Arc<RegionMem>, u64, u64, usize);
+
     /// "Device memory" of the peer: host memory, keyed by region; copies wait for `finish`.
     struct StandIn {
         remote: Arc<RegionMem>,
-        queued: Mutex<Vec<(Dir, Arc<RegionMem>, u64, u64, usize)>>,
+        queued: Mutex<Vec<Queued>>,
         release: Mutex<mpsc::Receiver<()>>,
         entered: Mutex<mpsc::Sender<()>>,
     }
