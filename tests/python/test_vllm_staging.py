@@ -530,9 +530,10 @@ def test_staged_kv_both(pair):
     assert_no_leak(p)
 
 
-def test_staged_tp2(mdir):
-    """Tensor parallel size 2, both sides staged: each rank has its own pool and mirrors and moves
-    its own shard; every byte of each of D's shards is checked."""
+@pytest.mark.parametrize("d_landing", ["mirror", "pool"])
+def test_staged_tp2(mdir, d_landing):
+    """Tensor parallel size 2, both sides staged: each rank has its own pool and mirrors (or
+    landing pool) and moves its own shard; every byte of each of D's shards is checked."""
     import inspect
 
     if "tp" not in inspect.signature(Side).parameters:
@@ -540,7 +541,7 @@ def test_staged_tp2(mdir):
         print(msg, file=sys.stderr)
         pytest.skip(msg)
     base = {"transport": os.environ.get("KVWIRE_TEST_TRANSPORT", "auto"), "peer_timeout": PEER_TIMEOUT,
-            "data_listen": "127.0.0.1:0", "staging": "always", "staging_mb": 1, "d_landing": "mirror"}
+            "data_listen": "127.0.0.1:0", "staging": "always", "staging_mb": 1, "d_landing": d_landing}
     d = Side("kv_consumer", {**base, "policy": "lazy"}, mdir, tp=2)
     p = Side("kv_producer", {**base, "send_mode": "layerwise"}, mdir, tp=2)
     try:
@@ -556,7 +557,11 @@ def test_staged_tp2(mdir):
             for li, name in enumerate(LAYERS):
                 for i, b in enumerate(ids):
                     assert torch.equal(d.kvs[r][name][:, b], kv_pattern("s7", li, i, r, d.heads)), (r, name, i)
-        assert [w._worker.stager.stats["landed"] for w in d.workers] == [1, 1]
+        if d_landing == "mirror":
+            assert [w._worker.stager.stats["landed"] for w in d.workers] == [1, 1]
+        else:  # both ranks' pools, the same slots: the scheduler gave them all back
+            assert all(not w._worker.stager.consumer and w._worker.landing for w in d.workers)
+            assert sorted(d.conn._sched.land_free) == list(range(d.conn._sched.land_slots))
         assert run_until(lambda: dreq.is_finished() and not p.sched.requests, lambda: p.step(p_fill), d.step)
         assert_no_leak(d)
         assert_no_leak(p)
