@@ -616,6 +616,21 @@ impl RegionMrs {
 }
 
 #[cfg(test)]
+impl RegionMem {
+    /// A device region of `len` bytes at an address that is not device memory, for tests that
+    /// check every host path refuses it (nothing may dereference it).
+    pub(crate) fn unreachable_device(len: usize) -> RegionMem {
+        let ipc = DeviceIpc {
+            handle: [3; 64],
+            offset: 0,
+        };
+        // SAFETY: the address is never dereferenced: every host copy refuses device memory, and
+        // the tests using it have no CUDA copier.
+        unsafe { RegionMem::device(0x1000, len, 0, ipc) }.expect("device region")
+    }
+}
+
+#[cfg(test)]
 mod device_tests {
     use super::*;
 

@@ -12,7 +12,7 @@ use crate::coalesce::coalesce;
 use crate::error::Error;
 use crate::metrics::{self};
 use crate::region::{check_bounds, RegionEntry};
-use crate::types::{Dir, Op, RegionHandle};
+use crate::types::{Dir, Op, RegionHandle, TransportKind};
 use crate::wire::{self};
 
 impl Engine {
@@ -128,6 +128,14 @@ impl Engine {
             for op in ops {
                 let e = local(op.local)?;
                 check_bounds(op.local.id(), op.local_offset, op.len, e.mem.len() as u64)?;
+                if p.kind != TransportKind::CudaIpc && e.mem.device_ipc().is_some() {
+                    return Err(Error::Unsupported(format!(
+                        "local region {:?} is device memory; only the cuda_ipc transport moves it \
+                         (this peer uses {})",
+                        e.id,
+                        metrics::transport_label(p.kind)
+                    )));
+                }
                 remote.check(op.remote, op.remote_offset, op.len, write)?;
             }
         }
@@ -166,5 +174,116 @@ impl Engine {
         };
         let state = p.transport.post(posted, &p.pending)?;
         Ok(Batch { state })
+    }
+}
+
+/// Device memory over transports that cannot reach it, without a GPU: a device region whose
+/// address is never dereferenced (every path must refuse it before any copy).
+#[cfg(test)]
+mod device_refusal_tests {
+    use super::*;
+    use crate::config::EngineConfig;
+    use crate::mem::RegionMem;
+    use crate::types::Access;
+
+    fn fake_device() -> RegionMem {
+        RegionMem::unreachable_device(1 << 16)
+    }
+
+    fn tcp() -> Engine {
+        Engine::new(EngineConfig {
+            transport: TransportKind::Tcp,
+            ..EngineConfig::default()
+        })
+        .expect("engine")
+    }
+
+    #[test]
+    fn tcp_refuses_device_memory_on_both_ends_and_keeps_the_peer() {
+        let (target, init) = (tcp(), tcp());
+        let dev_dst = target
+            .register_mem(fake_device(), Access::ReadWrite)
+            .expect("register");
+        let host_dst = target
+            .alloc_region(1 << 16, Access::ReadWrite)
+            .expect("alloc");
+        let dev_src = init
+            .register_mem(fake_device(), Access::Local)
+            .expect("register");
+        let host_src = init.alloc_region(1 << 16, Access::Local).expect("alloc");
+        init.local_write(host_src, 0, &[7u8; 4096]).expect("fill");
+        assert_eq!(init.metrics().region_bytes_by_kind[3], ("device", 1 << 16));
+        let peer = init.connect(target.listen_addr()).expect("connect");
+        let op = |local, remote| Op {
+            local,
+            local_offset: 0,
+            remote: target.region_id(remote),
+            remote_offset: 0,
+            len: 4096,
+        };
+        // Our device memory over tcp: refused at submit, nothing sent.
+        match init.write(&peer, &[op(dev_src, host_dst)], None, None) {
+            Err(Error::Unsupported(m)) => assert!(m.contains("device memory"), "{m}"),
+            other => panic!("expected Unsupported, got {other:?}"),
+        }
+        // The target's device memory: refused by the target before a byte lands, as a bad
+        // range is; writes and reads.
+        let w = init.write(&peer, &[op(host_src, dev_dst)], None, None);
+        assert!(w.and_then(|b| b.wait()).is_err());
+        let r = init.read(&peer, &[op(host_src, dev_dst)], None);
+        assert!(r.and_then(|b| b.wait()).is_err());
+        // The peer is fine: host to host still works, every byte.
+        init.write(&peer, &[op(host_src, host_dst)], None, None)
+            .expect("write")
+            .wait()
+            .expect("host write");
+        let mut got = [0u8; 4096];
+        target.local_read(host_dst, 0, &mut got).expect("read");
+        assert_eq!(got, [7u8; 4096]);
+        assert!(target.local_read(dev_dst, 0, &mut got).is_err());
+    }
+
+    #[test]
+    fn shm_refuses_a_peer_device_region_and_keeps_the_peer() {
+        let cfg = |transport| EngineConfig {
+            transport,
+            ..EngineConfig::default()
+        };
+        let target = Engine::new(cfg(TransportKind::Auto)).expect("engine");
+        let init = Engine::new(cfg(TransportKind::Shm)).expect("engine");
+        let dev_dst = target
+            .register_mem(fake_device(), Access::ReadWrite)
+            .expect("register");
+        let host_dst = target
+            .alloc_region(1 << 16, Access::ReadWrite)
+            .expect("alloc");
+        let src = init.alloc_region(1 << 16, Access::Local).expect("alloc");
+        init.local_write(src, 0, &[9u8; 4096]).expect("fill");
+        let peer = init.connect(target.listen_addr()).expect("connect");
+        assert_eq!(peer.transport(), TransportKind::Shm);
+        let op = |remote| Op {
+            local: src,
+            local_offset: 0,
+            remote: target.region_id(remote),
+            remote_offset: 0,
+            len: 4096,
+        };
+        let w = init.write(&peer, &[op(dev_dst)], Some(b"no"), None);
+        match w.and_then(|b| b.wait()) {
+            Err(Error::Unsupported(m)) => assert!(m.contains("cuda_ipc"), "{m}"),
+            other => panic!("expected Unsupported, got {other:?}"),
+        }
+        init.write(&peer, &[op(host_dst)], Some(b"yes"), None)
+            .expect("write")
+            .wait()
+            .expect("host write");
+        let n = target
+            .notifications()
+            .recv_timeout(std::time::Duration::from_secs(10))
+            .expect("notification");
+        assert_eq!(n.tag, b"yes", "no notification of the refused batch");
+        let mut got = [0u8; 4096];
+        target.local_read(host_dst, 0, &mut got).expect("read");
+        assert_eq!(got, [9u8; 4096]);
     }
 }

@@ -4,11 +4,12 @@
 use std::io::Write;
 use std::net::{Shutdown, TcpStream};
 use std::os::fd::AsFd;
+use std::sync::Arc;
 
 use super::reader::FrameReader;
 use crate::error::Error;
 use crate::mem::{send_parts, IoPart};
-use crate::region::check_bounds;
+use crate::region::{check_bounds, RegionEntry};
 use crate::transport::marks::{mark_of, Marked};
 use crate::transport::target::TargetCtx;
 use crate::wire::{
@@ -82,7 +83,8 @@ fn serve_lane_inner(s: &TcpStream, ctx: &TargetCtx) -> Result<(), Error> {
             FrameKind::Write => {
                 let len = h.len as u64;
                 let checked = ctx.regions.get_remote(h.region, true).and_then(|e| {
-                    check_bounds(h.region, h.offset, len, e.mem.len() as u64).map(|_| e)
+                    check_bounds(h.region, h.offset, len, e.mem.len() as u64)?;
+                    host_memory(e)
                 });
                 // The payload lands inside the region's gate (refused once unregistered).
                 let refused = match checked {
@@ -123,7 +125,8 @@ fn serve_lane_inner(s: &TcpStream, ctx: &TargetCtx) -> Result<(), Error> {
             FrameKind::ReadReq => {
                 let len = h.len as u64;
                 let checked = ctx.regions.get_remote(h.region, false).and_then(|e| {
-                    check_bounds(h.region, h.offset, len, e.mem.len() as u64).map(|_| e)
+                    check_bounds(h.region, h.offset, len, e.mem.len() as u64)?;
+                    host_memory(e)
                 });
                 if !out.is_empty() {
                     w.write_all(&out)?;
@@ -175,4 +178,16 @@ fn serve_lane_inner(s: &TcpStream, ctx: &TargetCtx) -> Result<(), Error> {
             }
         }
     }
+}
+
+/// A region tcp may copy into or out of: not device memory (refused like a bad range, before a
+/// byte lands, with the lane kept).
+fn host_memory(e: Arc<RegionEntry>) -> Result<Arc<RegionEntry>, Error> {
+    if e.mem.device_ipc().is_some() {
+        return Err(Error::Unsupported(format!(
+            "region {:?} is device memory: tcp cannot reach it",
+            e.id
+        )));
+    }
+    Ok(e)
 }
