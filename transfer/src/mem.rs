@@ -31,6 +31,7 @@ enum Backing {
     /// Memory owned by the caller; `true` when the caller said it is pinned by the CUDA driver.
     Raw(bool),
     /// CUDA device memory owned by the caller, on device `ordinal`, exported as `ipc`.
+    #[cfg_attr(not(feature = "cuda"), allow(dead_code))] // made only by `cuda` (and tests)
     Device { ordinal: u32, ipc: DeviceIpc },
 }
 
@@ -238,6 +239,7 @@ impl RegionMem {
     /// `ptr..ptr+len` must be device memory of device `ordinal` that stays allocated for as
     /// long as the returned value (or any clone of the `Arc` holding it) lives, and `ipc` must
     /// name the allocation it lies in.
+    #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
     pub unsafe fn device(
         ptr: u64,
         len: usize,

@@ -9,6 +9,8 @@
 
 #[path = "common/child.rs"]
 mod child;
+#[path = "common/gpu.rs"]
+mod gpu;
 
 use std::io::{BufRead, Write};
 use std::sync::Arc;
@@ -26,26 +28,6 @@ const CHILD_ENV: &str = "KVWIRE_CUDA_IPC_CHILD";
 const DEV_LEN: usize = 64 << 20;
 /// The target's host region.
 const HOST_LEN: usize = 1 << 20;
-
-/// A CUDA context on device 0, or `None` after saying SKIPPED (a failure when required).
-fn gpu(test: &str) -> Option<Arc<cudarc::driver::CudaContext>> {
-    match cuda::device_count() {
-        Ok(n) if n > 0 => Some(cuda::context(0).unwrap()),
-        other => {
-            let why = match other {
-                Ok(_) => "driver present, 0 devices".to_string(),
-                Err(e) => e.to_string(),
-            };
-            let _ = writeln!(
-                std::io::stderr(),
-                "SKIPPED: no CUDA device ({why}): {test} did not run"
-            );
-            let require = std::env::var("KVWIRE_REQUIRE_GPU").as_deref() == Ok("1");
-            assert!(!require, "KVWIRE_REQUIRE_GPU=1 but no CUDA device: {why}");
-            None
-        }
-    }
-}
 
 /// The target process: a device region and a host region, both offered read-write.
 #[test]
@@ -138,7 +120,7 @@ fn region(peer: &Peer, index: u32) -> RegionId {
 
 #[test]
 fn cuda_ipc_moves_device_bytes_between_processes() {
-    let Some(ctx) = gpu("cuda_ipc_moves_device_bytes_between_processes") else {
+    let Some(ctx) = gpu::device_or_skip("cuda_ipc_moves_device_bytes_between_processes") else {
         return;
     };
     let mut t = Target::spawn();

@@ -6,8 +6,11 @@
 
 #[path = "common/child.rs"]
 mod child;
+#[cfg(feature = "cuda")]
+#[path = "common/gpu.rs"]
+mod gpu;
 
-use std::io::{BufRead, Write};
+use std::io::BufRead;
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -761,22 +764,8 @@ fn dead_peer_fails_the_stream() {
 fn cuda_device_kv_streams_layers() {
     use kvwire_transfer::cuda::{self, CudaStager, EventReadiness};
     use kvwire_transfer::layer::Stager;
-    let require = std::env::var("KVWIRE_REQUIRE_GPU").as_deref() == Ok("1");
-    let ctx = match cuda::device_count() {
-        Ok(n) if n > 0 => cuda::context(0).unwrap(),
-        other => {
-            let why = match other {
-                Ok(_) => "driver present, 0 devices".to_string(),
-                Err(e) => e.to_string(),
-            };
-            // straight to the stderr handle: libtest does not capture this, so it is seen
-            let _ = writeln!(
-                std::io::stderr(),
-                "SKIPPED: no CUDA device ({why}): cuda_device_kv_streams_layers did not run"
-            );
-            assert!(!require, "KVWIRE_REQUIRE_GPU=1 but no CUDA device: {why}");
-            return;
-        }
+    let Some(ctx) = gpu::device_or_skip("cuda_device_kv_streams_layers") else {
+        return;
     };
     for transport in [TransportKind::Tcp, TransportKind::Shm] {
         let (layers, nb, bb) = (8usize, 64u32, 16 * 1024u64);

@@ -190,6 +190,17 @@ mod device_refusal_tests {
         RegionMem::unreachable_device(1 << 16)
     }
 
+    /// The first 4 KiB of `local` to the first 4 KiB of `remote`.
+    fn first_4k(local: RegionHandle, remote: crate::types::RegionId) -> Op {
+        Op {
+            local,
+            local_offset: 0,
+            remote,
+            remote_offset: 0,
+            len: 4096,
+        }
+    }
+
     fn tcp() -> Engine {
         Engine::new(EngineConfig {
             transport: TransportKind::Tcp,
@@ -214,13 +225,7 @@ mod device_refusal_tests {
         init.local_write(host_src, 0, &[7u8; 4096]).expect("fill");
         assert_eq!(init.metrics().region_bytes_by_kind[3], ("device", 1 << 16));
         let peer = init.connect(target.listen_addr()).expect("connect");
-        let op = |local, remote| Op {
-            local,
-            local_offset: 0,
-            remote: target.region_id(remote),
-            remote_offset: 0,
-            len: 4096,
-        };
+        let op = |local, remote| first_4k(local, target.region_id(remote));
         // Our device memory over tcp: refused at submit, nothing sent.
         match init.write(&peer, &[op(dev_src, host_dst)], None, None) {
             Err(Error::Unsupported(m)) => assert!(m.contains("device memory"), "{m}"),
@@ -261,13 +266,7 @@ mod device_refusal_tests {
         init.local_write(src, 0, &[9u8; 4096]).expect("fill");
         let peer = init.connect(target.listen_addr()).expect("connect");
         assert_eq!(peer.transport(), TransportKind::Shm);
-        let op = |remote| Op {
-            local: src,
-            local_offset: 0,
-            remote: target.region_id(remote),
-            remote_offset: 0,
-            len: 4096,
-        };
+        let op = |remote| first_4k(src, target.region_id(remote));
         let w = init.write(&peer, &[op(dev_dst)], Some(b"no"), None);
         match w.and_then(|b| b.wait()) {
             Err(Error::Unsupported(m)) => assert!(m.contains("cuda_ipc"), "{m}"),
