@@ -499,6 +499,16 @@ def test_timelines_written_and_calibrated(cluster):
         with open(f) as fh:
             recs += [json.loads(line) for line in fh if line.strip()]
     assert {r.get("role") for r in recs} >= {"p", "d"}
+    # The loads each side knew when the request arrived, and what P's prefix cache held: the
+    # model's queue and prefill inputs.
+    ps = [r for r in recs if r.get("role") == "p" and r.get("outcome") == "finished"]
+    ds = [r for r in recs if r.get("role") == "d" and r.get("outcome") == "finished"]
+    assert ps and ds
+    for r in ps:
+        assert r["p_waiting"] >= 1 and r["p_running"] >= 0 and r["p_queued_tokens"] >= 0, r
+        assert 0 <= r["p_cached_tokens"] <= r["tokens"], r
+    for r in ds:
+        assert r["d_waiting"] >= 1 and r["d_running"] >= 0, r
     bench = os.environ.get("KVWIRE_BENCH_BIN")
     if not bench or not os.path.exists(bench):
         pytest.fail(f"KVWIRE_BENCH_BIN={bench!r}: no kvwire-bench binary (tests/e2e/run.sh builds one)")

@@ -3,6 +3,7 @@ loaded by vLLM's factory through kv_connector_module_path in both roles; lazy re
 no D block until P started; WAITING_FOR_REMOTE_KVS -> finished_recving -> running with every
 KV byte checked; aborts and failures release everything."""
 
+import json
 import os
 
 import pytest
@@ -132,6 +133,38 @@ def test_lazy_end_to_end(pair, policy, send_mode):
     assert_no_leak(p)
     rec = timeline(d)[-1]
     assert '"outcome":"finished"' in rec and f'"policy":"{policy}"' in rec
+
+
+def test_p_records_its_queue_and_its_prefix_hits(pair):
+    """P's timeline records what the cost model's source terms take, as P knew it when each
+    request arrived: the prompt tokens queued ahead of it (a waiting request's prefix-cache hit
+    looked up, not counted) and what P's prefix cache held of its own prompt."""
+    d, p = pair({"policy": "lazy"}, {"send_mode": "whole"})
+    first = [(7 * i) % 900 + 1 for i in range(64)]
+    again = first[:48] + [(11 * i) % 900 + 1 for i in range(32)]  # 3 blocks of r1, then new
+    fresh = [(13 * i) % 900 + 1 for i in range(40)]
+    prompts = {"r1": first, "r2": again, "r3": fresh}
+    reqs = {}
+
+    def run(rids):
+        for rid in rids:  # D first, then P: both arrive before P's next step
+            reqs["d/" + rid] = d_request(rid, p, prompt=prompts[rid])
+            d.sched.add_request(reqs["d/" + rid])
+        for rid in rids:
+            reqs["p/" + rid] = p_request(rid, d, prompt=prompts[rid])
+            p.sched.add_request(reqs["p/" + rid])
+        assert run_until(lambda: all(reqs[s + r].is_finished() for r in rids for s in ("d/", "p/"))
+                         and not p_delayed(p), lambda: p.step(p_fill), d.step)
+
+    run(["r1"])  # r1's blocks stay in P's prefix cache
+    run(["r2", "r3"])  # r3 arrives while r2 waits
+    recs = {}
+    for line in timeline(p, n=3):
+        r = json.loads(line)
+        recs[r["transfer_id"]] = r
+    assert {k: (recs[k]["p_cached_tokens"], recs[k]["p_queued_tokens"], recs[k]["p_waiting"])
+            for k in prompts} == {"r1": (0, 0, 1), "r2": (48, 0, 1), "r3": (0, 32, 2)}
+    assert all(recs[k]["tokens"] == len(prompts[k]) and recs[k]["p_running"] == 0 for k in prompts)
 
 
 def test_eager_layerwise_sends_during_the_forward(pair):

@@ -185,14 +185,16 @@ class Side:
         self.conn.shutdown()
 
 
-def make_request(rid, tokens, params, max_tokens=4, block=BLOCK):
+def make_request(rid, tokens, params, max_tokens=4, block=BLOCK, prompt=None):
+    """A request of ``tokens`` prompt tokens derived from ``rid`` (or the token ids ``prompt``)."""
     global _init
     if not _init:
         init_none_hash(sha256)
         _init = True
     sp = SamplingParams(max_tokens=max_tokens)
     sp.update_from_generation_config({}, EOS)
-    req = Request(request_id=rid, prompt_token_ids=[(rid.__hash__() + i) % 900 + 1 for i in range(tokens)],
+    ids = list(prompt) if prompt is not None else [(rid.__hash__() + i) % 900 + 1 for i in range(tokens)]
+    req = Request(request_id=rid, prompt_token_ids=ids,
                   sampling_params=sp, pooling_params=None, block_hasher=get_request_block_hasher(block, sha256))
     req.kv_transfer_params = params
     return req
@@ -222,14 +224,14 @@ MAX_STEPS = 60  # every stepping loop of the tests is bounded
 PEER_TIMEOUT = 600.0
 
 
-def d_request(rid, p, tokens=40):
+def d_request(rid, p, tokens=40, prompt=None):
     return make_request(f"d/{rid}", tokens, {"do_remote_prefill": True, "transfer_id": rid,
-                                             "remote_control": p.conn.control_addr})
+                                             "remote_control": p.conn.control_addr}, prompt=prompt)
 
 
-def p_request(rid, d, tokens=40):
+def p_request(rid, d, tokens=40, prompt=None):
     return make_request(f"p/{rid}", tokens, {"do_remote_decode": True, "transfer_id": rid,
-                                             "remote_control": d.conn.control_addr}, max_tokens=1)
+                                             "remote_control": d.conn.control_addr}, max_tokens=1, prompt=prompt)
 
 
 #: Every stepping loop of the tests is bounded by this deadline (seconds): it only bounds a

@@ -91,7 +91,10 @@ pub use cli::{run_cli, CalibrateArgs};
 pub use error::{BadLines, CalibrateError, LineError};
 pub use fit::NO_SOURCE_NOTE;
 pub use grid::{grid_inputs, predict_grid};
-pub use production::{production_files, read_production, BadLine, Production, ProductionOptions};
+pub use production::{
+    production_files, read_production, read_production_files, BadLine, Production,
+    ProductionOptions,
+};
 pub use records::{parse_timeline, read_timeline, Sample, Timeline, SEGMENTS};
 pub use split::{is_train, split, MIN_HELD_OUT, MIN_TRAIN, TRAIN_PERCENT};
 pub use stats::{quantile, rel_error, segment_stats, GroupError, RelError, SegmentStat};

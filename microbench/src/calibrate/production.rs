@@ -6,7 +6,7 @@
 //! A connector line is a `TimelineRecord` (`kvwire_connector::TimelineRecord`; unknown fields
 //! are accepted) plus `role` (`"p"`, `"d"` or `"pd"`), `engine_id`, `transfer_id`,
 //! `peer_engine_id`, the loads at `decode_sent` (`d_waiting`, `d_running` on D records;
-//! `p_waiting`, `p_running`, `p_queued_tokens` on P records), `clock_offset_ns` and
+//! `p_waiting`, `p_running`, `p_queued_tokens`, `p_cached_tokens` on P records), `clock_offset_ns` and
 //! `clock_error_ns` (the peer's monotonic clock minus ours and the uncertainty of that estimate;
 //! either may be absent or null) and, on P, `p_first_write`.
 //!
@@ -25,7 +25,8 @@
 //!
 //! Model inputs: `dst_waiting`/`dst_running` from D's `d_waiting`/`d_running`; `src_waiting`
 //! and `src_queued_tokens` from P's `p_waiting`/`p_queued_tokens` (`p_running` counts requests,
-//! which no term of the model takes). Router lines (`"kind": "router"`, `transfer_id`,
+//! which no term of the model takes); the request's own prefill, `prefill_tokens`, is `tokens`
+//! less P's `p_cached_tokens` (what P's prefix cache held: P computed the rest). Router lines (`"kind": "router"`, `transfer_id`,
 //! `decode_sent_ns`, `first_token_ns`, `last_token_ns` on the router's clock, `p`, `d`,
 //! `p_load`, `d_load`) are joined by transfer id and give the loads where the connector's
 //! records do not: a load is an object `{"waiting": n, "running": n, "queued_tokens": n}` (any
@@ -160,6 +161,7 @@ struct Extras {
     d_running: Option<u32>,
     p_waiting: Option<u32>,
     p_queued_tokens: Option<u64>,
+    p_cached_tokens: Option<u64>,
     clock_offset_ns: Option<i64>,
     clock_error_ns: Option<i64>,
     p_first_write: Option<u64>,
@@ -284,15 +286,35 @@ pub fn read_production(
     path: &Path,
     opts: &ProductionOptions,
 ) -> Result<Production, CalibrateError> {
+    if !path.is_dir() {
+        return read_files(vec![path.to_path_buf()], true, opts);
+    }
+    let files = production_files(path).map_err(|source| CalibrateError::Io {
+        path: path.display().to_string(),
+        source,
+    })?;
+    read_files(files, false, opts)
+}
+
+/// Reads and joins the production timelines in `files` (as from [`production_files`]; router
+/// records may come from other directories than the connectors' files, as `kvwire-bench ab`
+/// keeps them).
+pub fn read_production_files(
+    files: Vec<PathBuf>,
+    opts: &ProductionOptions,
+) -> Result<Production, CalibrateError> {
+    read_files(files, false, opts)
+}
+
+/// `single`: the input was one file (its malformed lines go by number alone).
+fn read_files(
+    files: Vec<PathBuf>,
+    single: bool,
+    opts: &ProductionOptions,
+) -> Result<Production, CalibrateError> {
     let io = |p: &Path| {
         let path = p.display().to_string();
         move |source| CalibrateError::Io { path, source }
-    };
-    let single = !path.is_dir();
-    let files = if single {
-        vec![path.to_path_buf()]
-    } else {
-        production_files(path).map_err(io(path))?
     };
     let mut out = Production {
         files,
@@ -423,6 +445,7 @@ fn join(
                 ("src_waiting", loads.src_waiting),
                 ("src_queued_tokens", loads.src_queued_tokens),
                 ("p_first_write", p_first_write),
+                ("cached_tokens", p.and_then(|p| p.x.p_cached_tokens)),
             ] {
                 if let Some(x) = x {
                     m.insert(k.into(), x.into());

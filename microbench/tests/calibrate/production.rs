@@ -1,12 +1,13 @@
 //! Production timelines: P and D records on two clocks, joined onto D's and fitted as the same
 //! records on one clock; a missing P file; malformed lines by file and line; rotated files;
-//! router loads.
+//! router loads; P's prefix-cache hits as the prefill input; router records read from another
+//! directory.
 
 use std::path::{Path, PathBuf};
 
 use kvwire_bench::calibrate::{
-    calibrate, parse_timeline, production_files, read_production, BadLines, CalibrateError,
-    Production, ProductionOptions, Sample,
+    calibrate, parse_timeline, production_files, read_production, read_production_files, BadLines,
+    CalibrateError, Production, ProductionOptions, Sample,
 };
 use kvwire_connector::{Policy, RequestId, SendMode, Side, TimelineRecord};
 use kvwire_testkit::rng::Rng;
@@ -418,6 +419,60 @@ fn router_loads_stand_in_for_missing_connector_loads() {
         let want_waiting = if i % 2 == 0 { r.d_waiting } else { 0 };
         assert_eq!(s.dst_waiting, want_waiting);
         assert_eq!(s.src_waiting, r.p_waiting);
+    }
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+#[test]
+fn p_cached_tokens_give_the_prefill_and_routers_may_be_read_from_elsewhere() {
+    let reqs = requests(30, 45);
+    let dir = tmp_dir("cached");
+    let routers = dir.join("arm");
+    std::fs::create_dir_all(&routers).expect("router dir");
+    let mut d = Vec::new();
+    let mut p = Vec::new();
+    let mut router = Vec::new();
+    // What P's prefix cache held: none, a third of the prompt, or (every 5th) not said.
+    let cached = |i: usize, r: &Req| match i % 5 {
+        4 => None,
+        k => Some(u64::from(r.p.tokens) * k as u64 / 12),
+    };
+    for (i, r) in reqs.iter().enumerate() {
+        d.push(d_line(r, i));
+        let mut v: Value = serde_json::from_str(&p_line(r)).expect("P line");
+        if let Some(c) = cached(i, r) {
+            v["p_cached_tokens"] = json!(c);
+        }
+        p.push(v.to_string());
+        router.push(
+            json!({"kind": "router", "transfer_id": r.key, "p": "p0", "d": "d0",
+                   "p_load": 99, "d_load": 99})
+            .to_string(),
+        );
+    }
+    write(&dir.join("d0-d-1.jsonl"), &d);
+    write(&dir.join("p").join("p0-p-1.jsonl"), &p);
+    write(&routers.join("router-3.jsonl"), &router);
+    let mut files = production_files(&dir.join("p")).expect("P files");
+    files.push(dir.join("d0-d-1.jsonl"));
+    files.push(routers.join("router-3.jsonl"));
+    let prod = read_production_files(files, &ProductionOptions::default()).expect("read");
+    assert_eq!((prod.joined, prod.router_joined), (30, 30));
+    assert_eq!(prod.router_loads, 0, "the connectors' own loads win");
+    let by_id: std::collections::HashMap<&str, &Sample> = prod
+        .timeline
+        .samples
+        .iter()
+        .map(|s| (s.id.as_str(), s))
+        .collect();
+    for (i, r) in reqs.iter().enumerate() {
+        let s = by_id[r.key.as_str()];
+        let want = cached(i, r).map_or(0, |c| u64::from(r.p.tokens) - c);
+        assert_eq!(s.prefill_tokens, want, "request {i}");
+        assert_eq!(
+            (s.src_waiting, s.src_queued_tokens),
+            (r.p_waiting, r.p_queued_tokens)
+        );
     }
     let _ = std::fs::remove_dir_all(&dir);
 }

@@ -103,9 +103,39 @@ def count_uncached(request) -> None:
         request.num_cached_tokens = 0
 
 
-def scheduler_loads() -> dict:
-    """``{"waiting": n, "running": n}`` of the vLLM scheduler that is calling the connector (its
-    frame is on the stack; read-only, best effort: ``{}`` when it is not found)."""
+#: Waiting requests whose prefix-cache hit ``scheduler_loads`` looks up (the rest count whole).
+LOOKUPS = 16
+
+
+def _cache_hit(s, r) -> int:
+    """Prompt tokens of waiting request ``r`` that ``s``'s prefix cache holds now: the scheduler's
+    own lookup, read-only (the hit is claimed only when the request is scheduled); 0 when it
+    cannot be asked."""
+    kvm = getattr(s, "kv_cache_manager", None)
+    if kvm is None or not getattr(kvm, "enable_caching", False) or getattr(r, "skip_reading_prefix_cache", False):
+        return 0
+    try:
+        return int(kvm.coordinator.find_longest_cache_hit(r.block_hashes, r.num_tokens - 1)[1])
+    except (AttributeError, TypeError, IndexError, ValueError, AssertionError):
+        return 0
+
+
+def _queued_tokens(s, request) -> int:
+    """Prompt tokens the requests of scheduler ``s`` other than ``request`` have still to compute:
+    a running one's uncomputed rest; a waiting one's prompt less its prefix-cache hit (looked up
+    for the first :data:`LOOKUPS` of them)."""
+    n = sum(max(0, r.num_prompt_tokens - r.num_computed_tokens) for r in s.running if r is not request)
+    for i, r in enumerate(x for x in s.waiting if x is not request):
+        hit = _cache_hit(s, r) if i < LOOKUPS and r.num_computed_tokens == 0 else 0
+        n += max(0, r.num_prompt_tokens - max(r.num_computed_tokens, hit))
+    return n
+
+
+def scheduler_loads(request=None) -> dict:
+    """``{"waiting": n, "running": n, "queued_tokens": n}`` of the vLLM scheduler that is calling
+    the connector (its frame is on the stack; read-only, best effort: ``{}`` when it is not
+    found). ``queued_tokens``: the prompt tokens its requests other than ``request`` have still
+    to compute (see :func:`_queued_tokens`)."""
     f = sys._getframe(2)
     for _ in range(6):
         if f is None:
@@ -113,8 +143,13 @@ def scheduler_loads() -> dict:
         s = f.f_locals.get("self")
         if s is not None and hasattr(s, "waiting") and hasattr(s, "running"):
             try:
-                return {"waiting": len(s.waiting), "running": len(s.running)}
+                loads = {"waiting": len(s.waiting), "running": len(s.running)}
             except TypeError:
                 return {}
+            try:
+                loads["queued_tokens"] = _queued_tokens(s, request)
+            except (TypeError, AttributeError):
+                pass
+            return loads
         f = f.f_back
     return {}

@@ -40,6 +40,7 @@ class _PReq:
     delayed: bool = False
     loads: dict = field(default_factory=dict)
     first_write_ns: int | None = None
+    cached: int | None = None  # prompt tokens P found in its prefix cache when it first scheduled it
     unreachable: bool = False
     finished_at: int = 0
     # workers' reports (all ranks) that came before the core knew the request: (what, layer, bytes, t)
@@ -79,7 +80,7 @@ class PRequests:
         pid = self._pid_for_addr(pp.remote_control) if pp.remote_control else None
         st = _PReq(req=request.request_id, key=key, pid=pid, addr=pp.remote_control, mode=mode, core=self.p_core(mode),
                    prompt=request.num_prompt_tokens, transfer_id=pp.transfer_id)
-        loads = compat.scheduler_loads()
+        loads = compat.scheduler_loads(request)
         st.loads = {f"p_{k}": v for k, v in loads.items()}
         self.p_reqs[st.req] = st
         self.p_by_key[key] = st
@@ -128,6 +129,8 @@ class PRequests:
             if st is None:
                 continue
             st.blocks = list(new.block_ids[0]) if new.block_ids else []
+            if st.cached is None:
+                st.cached = new.num_computed_tokens
             out.append(self._chunk(st, new.num_computed_tokens, sched.get(new.req_id, 0), now))
         cr = so.scheduled_cached_reqs
         for i, rid in enumerate(cr.req_ids):

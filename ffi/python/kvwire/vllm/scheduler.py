@@ -265,6 +265,8 @@ class SchedulerSide(PeerBook, DRequests, PRequests):
             pid = st.pid
             if side == "p" and st.first_write_ns is not None:
                 rec["p_first_write"] = st.first_write_ns
+            if side == "p" and st.cached is not None:
+                rec["p_cached_tokens"] = st.cached
             if pid is not None:
                 eid = self.engine_of_pid.get(pid)
                 rec["peer_engine_id"] = eid

@@ -11,7 +11,8 @@ Each record is the connector core's timeline record (see ``kvwire_connector::Tim
 nanosecond timestamps on this host's monotonic clock) plus what the connector knows at the
 time: ``transfer_id``, ``engine_id``, ``role`` (``p`` or ``d``), ``peer_engine_id``, the loads
 at ``decode_sent`` (``d_waiting``, ``d_running``; on P ``p_waiting``, ``p_running``,
-``p_queued_tokens``), and ``clock_offset_ns`` / ``clock_error_ns`` (the peer's monotonic clock
+``p_queued_tokens``), on P ``p_cached_tokens`` (the prompt tokens P's prefix cache held when
+it first scheduled the request: P computed the rest), and ``clock_offset_ns`` / ``clock_error_ns`` (the peer's monotonic clock
 minus ours, estimated over the control channel) so that ``kvwire-bench calibrate`` can put P's
 and D's milestones on one clock.
 """
