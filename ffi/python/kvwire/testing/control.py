@@ -5,6 +5,10 @@ The worker reads ``$KVWIRE_STANDIN_CONTROL`` (a directory; unset: no control, no
 * ``layer_ms`` — a number: milliseconds of "compute" per layer in every step that computes
   tokens (``$KVWIRE_STANDIN_LAYER_MS`` sets the value at start-up; the file overrides it and is
   re-read every step);
+* ``token_us`` — a number: microseconds of "compute" per layer and per token the step computes,
+  on top of ``layer_ms`` (``$KVWIRE_STANDIN_TOKEN_US`` at start-up; the file overrides it, re-read
+  every step). With it a prefill's time grows with the tokens it computes, as a real model's
+  does: what ``kvwire-bench calibrate`` fits its per-token prefill term to;
 * ``hold.<layer>`` — while this file exists, a step that computes tokens stops before it
   computes layer ``<layer>`` (after the earlier layers were computed and handed to the
   connector). On stopping, the worker appends a line to ``held.<layer>``; it goes on once the
@@ -34,6 +38,7 @@ import time
 
 ENV = "KVWIRE_STANDIN_CONTROL"
 LAYER_MS_ENV = "KVWIRE_STANDIN_LAYER_MS"
+TOKEN_US_ENV = "KVWIRE_STANDIN_TOKEN_US"
 LAST_CHUNK = "last-chunk"
 PROBE = "probe.json"
 
@@ -44,21 +49,26 @@ class WorkerControl:
     def __init__(self, rank: int = 0):
         self.dir = os.environ.get(ENV) or None
         self.rank = rank
-        try:
-            self.default_ms = float(os.environ.get(LAYER_MS_ENV, "0") or 0)
-        except ValueError:
-            self.default_ms = 0.0
+        self.default_ms = _env_number(LAYER_MS_ENV)
+        self.default_us = _env_number(TOKEN_US_ENV)
         self.layer_ms = self.default_ms
+        self.token_us = self.default_us
+        self.tokens = 0
 
     def begin_step(self, tokens: int, reqs) -> None:
+        self.tokens = tokens
         if self.dir is None:
             return
-        try:
-            with open(os.path.join(self.dir, "layer_ms")) as f:
-                self.layer_ms = float(f.read().strip() or 0)
-        except (OSError, ValueError):
-            self.layer_ms = self.default_ms
+        self.layer_ms = self._number("layer_ms", self.default_ms)
+        self.token_us = self._number("token_us", self.default_us)
         self.event(ev="step", tokens=tokens, reqs=list(reqs))
+
+    def _number(self, name: str, default: float) -> float:
+        try:
+            with open(os.path.join(self.dir, name)) as f:
+                return float(f.read().strip() or 0)
+        except (OSError, ValueError):
+            return default
 
     def before_layer(self, layer: int, last_chunk: bool = False) -> None:
         """Holds here while ``hold.<layer>`` exists (only in a last chunk's step when it says
@@ -90,8 +100,10 @@ class WorkerControl:
             return None
 
     def compute(self) -> None:
-        if self.layer_ms > 0:
-            time.sleep(self.layer_ms / 1000.0)
+        """One layer's "compute" for the step begun last: ``layer_ms`` plus ``token_us`` per token."""
+        s = self.layer_ms / 1e3 + self.tokens * self.token_us / 1e6
+        if s > 0:
+            time.sleep(s)
 
     def event(self, **fields) -> None:
         if self.dir is None:
@@ -100,6 +112,13 @@ class WorkerControl:
         fields["t_ns"] = time.monotonic_ns()
         with open(os.path.join(self.dir, "events.jsonl"), "a") as f:
             f.write(json.dumps(fields) + "\n")
+
+
+def _env_number(name: str) -> float:
+    try:
+        return max(0.0, float(os.environ.get(name, "0") or 0))
+    except ValueError:
+        return 0.0
 
 
 class Control:
@@ -115,6 +134,10 @@ class Control:
     def set_layer_ms(self, ms: float) -> None:
         with open(os.path.join(self.dir, "layer_ms"), "w") as f:
             f.write(str(ms))
+
+    def set_token_us(self, us: float) -> None:
+        with open(os.path.join(self.dir, "token_us"), "w") as f:
+            f.write(str(us))
 
     def hold(self, layer: int, last_chunk: bool = False) -> None:
         """Holds every step that computes tokens before ``layer`` (with ``last_chunk``: only a
