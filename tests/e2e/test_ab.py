@@ -66,8 +66,18 @@ def test_ab_quick_runs_every_arm():
         assert t["d_block_seconds"] >= 0 and t["wire_bytes"] > 0
         assert t["reset_prefix_cache"] is True
         assert all(isinstance(v, float) and v >= 0 for v in t["decomposition_mean_s"].values()), t
+    # The cost model fitted on the P/D arms' own timelines (8 arms × 12 requests, P and D joined;
+    # the warm-up's requests are not among them).
+    cal = ab["calibration"]
+    assert "error" not in cal, cal
+    assert cal["records"] == 96 and cal["joined"] >= 96 and cal["router_matched"] == 96, cal
+    assert cal["train"] + cal["held_out"] == 96 and cal["held_out"] >= 2, cal
+    assert cal["calibrated_p50_rel"]["p90"] >= cal["calibrated_p50_rel"]["p50"] >= 0, cal
+    with open(os.path.join(out, "cost.json")) as f:
+        assert json.load(f)["schema"] == "kvwire.cost/1"
     with open(os.path.join(out, "ab.md")) as f:
         md = f.read()
+    assert "Cost model fitted on these P/D arms' timelines (96 records" in md
     assert all(name in md for name in ARMS)
     with open(os.path.join(out, "ab.png"), "rb") as f:
         assert f.read(8) == b"\x89PNG\r\n\x1a\n"

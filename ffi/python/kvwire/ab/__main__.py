@@ -26,6 +26,9 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--time-scale", type=float, default=1.0)
     ap.add_argument("--timeout", type=float, default=300.0)
+    ap.add_argument("--standin-token-us", type=float, default=0.0,
+                    help="the stand-in's compute per layer and token, microseconds (a prefill's time grows with "
+                         "its tokens, as a real model's does)")
     return ap
 
 

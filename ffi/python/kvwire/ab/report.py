@@ -12,7 +12,9 @@ def _ms(v) -> str:
 
 def markdown(ab: dict) -> str:
     lines = [f"# kvwire A/B — {ab['requests']} requests per arm, model {ab['model']}, block {ab['block_size']}, "
-             f"{ab['host_cores']} cores{' (quick)' if ab['quick'] else ''}", ""]
+             f"{ab['host_cores']} cores{' (quick)' if ab['quick'] else ''}"
+             + (f", stand-in compute {ab['standin_token_us']:g} µs per layer and token" if ab.get("standin_token_us") else ""),
+             ""]
     lines.append("| arm | TTFT p50 / p90 / p99 ms | TPOT p50 / p90 ms | E2E p50 / p90 ms | errors | outputs = single |")
     lines.append("|---|---|---|---|---|---|")
     for r in ab["arms"]:

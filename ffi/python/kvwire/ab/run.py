@@ -19,6 +19,7 @@ from kvwire.replay.client import Replayer
 from kvwire.replay.prompts import PromptBook
 from kvwire.replay.trace import generate, read_trace
 from kvwire.testing.control import ENV as CONTROL_ENV
+from kvwire.testing.control import TOKEN_US_ENV
 from kvwire.testing.ports import free_port
 from kvwire.testing.servers import Server, ServerError
 
@@ -72,6 +73,8 @@ class AbRun:
         if not o.model:  # the stand-in's step events give the engine-core step times
             os.makedirs(ctl, exist_ok=True)
             env[CONTROL_ENV] = ctl
+            if o.standin_token_us > 0:
+                env[TOKEN_US_ENV] = str(o.standin_token_us)
         s = Server(name, self.python, free_port(), self.model, kv_transfer_config=kt, log_dir=log_dir,
                    env=env, block_size=o.block_size,
                    max_model_len=max(self.max_len, 1024), max_num_batched_tokens=o.max_num_batched_tokens,
@@ -291,4 +294,5 @@ class AbRun:
             r["outputs_equal_single"] = {"equal": same, "of": len(got), "reference": bool(ref)}
         return {"schema": "kvwire.ab/1", "quick": bool(self.opts.quick), "trace": self.trace_path,
                 "requests": len(self.turns), "model": self.opts.model or "stand-in (kvwire.testing)",
-                "block_size": self.opts.block_size, "host_cores": os.cpu_count(), "arms": rows}
+                "block_size": self.opts.block_size, "standin_token_us": self.opts.standin_token_us,
+                "host_cores": os.cpu_count(), "arms": rows}
