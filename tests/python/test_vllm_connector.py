@@ -15,8 +15,8 @@ import torch  # noqa: E402
 import kvwire  # noqa: E402
 from kvwire.vllm import KvwireConnector, KvwireConnectorMetadata  # noqa: E402
 from vllm_harness import (  # noqa: E402
-    LAYERS, PEER_TIMEOUT, RequestStatus, Side, assert_no_leak, d_delayed, d_request, free_port, kv_pattern,
-    introduce, make_request, model_dir, p_delayed, p_fill, p_request, run_until, timeline, wait_for)
+    LAYERS, open_pair, PEER_TIMEOUT, RequestStatus, Side, assert_no_leak, d_delayed, d_request, free_port, kv_pattern,
+    make_request, model_dir, p_delayed, p_fill, p_request, run_until, timeline, wait_for)
 
 
 
@@ -28,22 +28,8 @@ def mdir():
 @pytest.fixture
 def pair(mdir):
     sides = []
-
-    def make(d_extra=None, p_extra=None, p_kw=None, **kw):
-        # auto: shm on this host (a completed notified batch has its notification queued at the
-        # target on every transport); KVWIRE_TEST_TRANSPORT=tcp forces TCP.
-        # Both sides step on this one thread, so a side is silent for as long as the other's step
-        # runs: peer liveness (a wall-clock judgement, 3 s by default) would declare a peer down
-        # whenever a step stalls on a loaded box. Tests about liveness pass their own value.
-        base = {"transport": os.environ.get("KVWIRE_TEST_TRANSPORT", "auto"), "peer_timeout": PEER_TIMEOUT}
-        d = Side("kv_consumer", {**base, "data_listen": f"127.0.0.1:{free_port()}", **(d_extra or {})}, mdir, **kw)
-        p = Side("kv_producer", {**base, "data_listen": f"127.0.0.1:{free_port()}", **(p_extra or {})}, mdir,
-                 **(p_kw or {}))
-        sides.extend([d, p])
-        introduce(d, p)
-        return d, p
-
-    yield make
+    yield lambda d_extra=None, p_extra=None, p_kw=None, **kw: open_pair(sides, mdir, d_extra, p_extra, d_kw=kw,
+                                                                        p_kw=p_kw)
     for s in sides:
         s.close()
 

@@ -406,8 +406,8 @@ def test_cuda_branch_orders_copies_after_the_compute_stream(engines, monkeypatch
 vllm = pytest.importorskip("vllm", reason="vLLM not installed in this venv (run tests/python/setup.sh)")
 
 from vllm_harness import (  # noqa: E402
-    LAYERS, MAX_STEPS, PEER_TIMEOUT, RequestStatus, Side, assert_no_leak, d_request, free_port, introduce,
-    kv_pattern, make_request, model_dir, p_fill, p_request, run_until, timeline, wait_for)
+    LAYERS, open_pair, MAX_STEPS, PEER_TIMEOUT, RequestStatus, Side, assert_no_leak, d_request,
+    kv_pattern, model_dir, p_fill, p_request, run_until, timeline, wait_for)
 
 
 @pytest.fixture(scope="module")
@@ -418,16 +418,8 @@ def mdir():
 @pytest.fixture
 def pair(mdir):
     sides = []
-
-    def make(d_extra=None, p_extra=None, roles=("kv_consumer", "kv_producer"), **kw):
-        base = {"transport": os.environ.get("KVWIRE_TEST_TRANSPORT", "auto"), "peer_timeout": PEER_TIMEOUT}
-        d = Side(roles[0], {**base, "data_listen": f"127.0.0.1:{free_port()}", **(d_extra or {})}, mdir, **kw)
-        p = Side(roles[1], {**base, "data_listen": f"127.0.0.1:{free_port()}", **(p_extra or {})}, mdir)
-        sides.extend([d, p])
-        introduce(d, p)
-        return d, p
-
-    yield make
+    yield lambda d_extra=None, p_extra=None, roles=("kv_consumer", "kv_producer"), **kw: open_pair(
+        sides, mdir, d_extra, p_extra, roles, d_kw=kw)
     for s in sides:
         s.close()
 

@@ -20,7 +20,7 @@ from kvwire.testing.ports import free_port_run  # noqa: E402
 from kvwire.vllm import envelope as env  # noqa: E402
 from kvwire.vllm.connector import KvwireHandshake, rank_listen, request_key  # noqa: E402
 from vllm_harness import (  # noqa: E402
-    LAYERS, PEER_TIMEOUT, RequestStatus, Side, assert_no_leak, d_request, free_port, introduce, kv_pattern,
+    LAYERS, open_pair, PEER_TIMEOUT, RequestStatus, Side, assert_no_leak, d_request, kv_pattern,
     model_dir, p_core, p_fill, p_request, run_until, timeline)
 
 TP = 2
@@ -36,15 +36,8 @@ def pair(mdir):
     sides = []
 
     def make(d_extra=None, p_extra=None, d_tp=TP, p_tp=TP, d_listen=None, **kw):
-        base = {"transport": os.environ.get("KVWIRE_TEST_TRANSPORT", "auto"), "peer_timeout": PEER_TIMEOUT}
-        if d_listen is None:
-            d_listen = f"127.0.0.1:{free_port_run(d_tp)}"
-        d = Side("kv_consumer", {**base, "data_listen": d_listen, **(d_extra or {})}, mdir, tp=d_tp, **kw)
-        sides.append(d)
-        p = Side("kv_producer", {**base, "data_listen": "127.0.0.1:0", **(p_extra or {})}, mdir, tp=p_tp)
-        sides.append(p)
-        introduce(d, p)
-        return d, p
+        return open_pair(sides, mdir, d_extra, p_extra, d_kw={"tp": d_tp, **kw}, p_kw={"tp": p_tp},
+                         d_listen=d_listen or f"127.0.0.1:{free_port_run(d_tp)}", p_listen="127.0.0.1:0")
 
     yield make
     for s in sides:

@@ -260,6 +260,24 @@ def wait_for(cond, timeout=WAIT_S):
     return _wait_for(cond, timeout)
 
 
+def open_pair(sides, mdir, d_extra=None, p_extra=None, roles=("kv_consumer", "kv_producer"), d_kw=None, p_kw=None,
+              d_listen=None, p_listen=None):
+    """A D and a P :class:`Side` that know each other, appended to ``sides`` (the test's fixture
+    closes them). Transport ``auto`` (shm on this host; ``KVWIRE_TEST_TRANSPORT=tcp`` forces
+    TCP). Both sides step on the test's one thread, so a side is silent for as long as the
+    other's step runs: peer liveness (a wall-clock judgement) would declare a peer down whenever
+    a step stalls on a loaded box, hence ``PEER_TIMEOUT`` (tests about liveness pass their own)."""
+    base = {"transport": os.environ.get("KVWIRE_TEST_TRANSPORT", "auto"), "peer_timeout": PEER_TIMEOUT}
+    d = Side(roles[0], {**base, "data_listen": d_listen or f"127.0.0.1:{free_port()}", **(d_extra or {})}, mdir,
+             **(d_kw or {}))
+    sides.append(d)
+    p = Side(roles[1], {**base, "data_listen": p_listen or f"127.0.0.1:{free_port()}", **(p_extra or {})}, mdir,
+             **(p_kw or {}))
+    sides.append(p)
+    introduce(d, p)
+    return d, p
+
+
 def introduce(*sides):
     """Makes every side know every other's identity (the hello round trip a first request to a
     new peer waits for), so that a test's first step behaves as any later one."""
@@ -318,6 +336,6 @@ def assert_no_leak(side):
     assert not side.sched.requests, "requests left in the scheduler"
 
 
-__all__ = ["Side", "make_request", "kv_pattern", "p_fill", "free_port", "model_dir", "RequestStatus", "LAYERS",
+__all__ = ["Side", "open_pair", "make_request", "kv_pattern", "p_fill", "free_port", "model_dir", "RequestStatus", "LAYERS",
            "MAX_STEPS", "PEER_TIMEOUT", "d_request", "p_request", "run_until", "assert_no_leak", "wait_for",
            "sched_side", "d_core", "p_core", "p_delayed", "d_delayed", "timeline", "WAIT_S", "introduce"]
