@@ -2,6 +2,7 @@
 //! their primary contexts, [`CudaError`], and blocking events. It uses nothing of the engine
 //! (the `cuda_ipc` transport sits on it, below the engine).
 
+use std::os::fd::{FromRawFd, OwnedFd};
 use std::sync::{Arc, OnceLock};
 
 use cudarc::driver::{result, sys, CudaContext, DriverError};
@@ -107,4 +108,94 @@ pub fn device_ordinal(ptr: u64) -> Result<Option<usize>, CudaError> {
         .result()?
     };
     Ok(usize::try_from(ordinal).ok())
+}
+
+/// The page-aligned span `(base, size)` around `addr..addr+len` (what
+/// `cuMemGetHandleForAddressRange` takes); `None` for an empty range, a page size that is not a
+/// power of two, or an end past the address space.
+pub(crate) fn page_span(addr: u64, len: u64, page: u64) -> Option<(u64, u64)> {
+    if len == 0 || !page.is_power_of_two() {
+        return None;
+    }
+    let base = addr & !(page - 1);
+    let end = addr.checked_add(len)?.checked_add(page - 1)? & !(page - 1);
+    Some((base, end - base))
+}
+
+/// Exports device memory `dptr..dptr+len` of device `ordinal` as a dma-buf
+/// (`cuMemGetHandleForAddressRange`, CUDA 11.7 drivers on, a device that supports dma-buf): the
+/// file, which covers the page-aligned span around the range, and where `dptr` is in it. What
+/// a NIC registers with `ibv_reg_dmabuf_mr` (GPUDirect RDMA without nvidia-peermem).
+pub(crate) fn export_dmabuf(
+    ordinal: u32,
+    dptr: u64,
+    len: u64,
+) -> Result<(OwnedFd, u64), CudaError> {
+    if !driver_present() {
+        return Err(CudaError::NoDriver);
+    }
+    let mut version: std::ffi::c_int = 0;
+    // SAFETY: one valid out-pointer; the call needs no context.
+    unsafe { sys::cuDriverGetVersion(&mut version).result()? };
+    if version < 11070 {
+        return Err(CudaError::Driver(format!(
+            "driver version {version} has no cuMemGetHandleForAddressRange (11.7 and later)"
+        )));
+    }
+    let ctx = context(ordinal as usize)?;
+    ctx.bind_to_thread()?;
+    if ctx.attribute(sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_DMA_BUF_SUPPORTED)? == 0 {
+        return Err(CudaError::Driver(format!(
+            "device {ordinal} does not support dma-buf export"
+        )));
+    }
+    // SAFETY: sysconf has no memory-safety preconditions.
+    let page = u64::try_from(unsafe { libc::sysconf(libc::_SC_PAGESIZE) }).unwrap_or(4096);
+    let (base, size) = page_span(dptr, len, page).ok_or_else(|| {
+        CudaError::InvalidArgument(format!("device range {dptr:#x}+{len} cannot be exported"))
+    })?;
+    let size = usize::try_from(size)
+        .map_err(|_| CudaError::InvalidArgument("device range too large".into()))?;
+    let mut fd: std::ffi::c_int = -1;
+    // SAFETY: for CU_MEM_RANGE_HANDLE_TYPE_DMA_BUF_FD the handle is an int, and `fd` is a valid
+    // out-pointer for one; the driver checks that the span is device memory it allocated and
+    // only reads the address range, never the host through it.
+    unsafe {
+        sys::cuMemGetHandleForAddressRange(
+            (&mut fd as *mut std::ffi::c_int).cast(),
+            base,
+            size,
+            sys::CUmemRangeHandleType::CU_MEM_RANGE_HANDLE_TYPE_DMA_BUF_FD,
+            0,
+        )
+        .result()?
+    };
+    if fd < 0 {
+        return Err(CudaError::Driver(
+            "cuMemGetHandleForAddressRange gave no file".into(),
+        ));
+    }
+    // SAFETY: on success the driver returned a new file descriptor that nothing else owns.
+    let fd = unsafe { OwnedFd::from_raw_fd(fd) };
+    Ok((fd, dptr - base))
+}
+
+#[cfg(test)]
+mod span_tests {
+    use super::page_span;
+
+    #[test]
+    fn the_span_is_page_aligned_around_the_range() {
+        assert_eq!(page_span(0x1000, 0x1000, 0x1000), Some((0x1000, 0x1000)));
+        assert_eq!(page_span(0x1010, 0x10, 0x1000), Some((0x1000, 0x1000)));
+        assert_eq!(page_span(0x1ff0, 0x20, 0x1000), Some((0x1000, 0x2000)));
+        assert_eq!(page_span(0x1000, 1, 0x10000), Some((0, 0x10000)));
+        assert_eq!(page_span(0x1000, 0, 0x1000), None, "empty");
+        assert_eq!(page_span(0x1000, 0x10, 3000), None, "not a power of two");
+        assert_eq!(
+            page_span(u64::MAX - 0x10, 0x8, 0x1000),
+            None,
+            "past the end"
+        );
+    }
 }

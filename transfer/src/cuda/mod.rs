@@ -21,16 +21,15 @@
 //!   the waiter thread synchronizes before the chunk is written. With two or more buffers, the
 //!   copy of one chunk overlaps the send of the previous one.
 //!
-//! # GPUDirect RDMA (hook)
+//! # GPUDirect RDMA
 //!
 //! tcp and shm always stage (the `cuda_ipc` transport, towards device regions of a same-host
-//! peer, does not: it copies device to device). With an RDMA transport and a GPUDirect-capable NIC the device
-//! memory itself can be the source: such a transport implements [`DeviceRegistrar`] (kvwire's
-//! `rdma` transport does not yet; e.g.
-//! `ibv_reg_dmabuf_mr` on the fd from `cuMemGetHandleForAddressRange`, or `ibv_reg_mr` on the
-//! device pointer with nvidia-peermem), and the layout then names the returned region as
-//! [`SrcSpace::Region`]: the stream posts straight from HBM,
-//! with [`EventReadiness`] as the layer's readiness and no stager.
+//! peer, does not: it copies device to device). A device region ([`register_device_region`])
+//! is also registered with the engine's RDMA devices where they take device memory: the
+//! driver's dma-buf of it (`cuMemGetHandleForAddressRange`) through
+//! `ibv_reg_dmabuf_mr` first, its device address (`ibv_reg_mr`, nvidia-peermem) second; then
+//! RDMA work requests read and write it in place, and a layer stream can name it as
+//! [`SrcSpace::Region`] with [`EventReadiness`] as the layer's readiness and no stager.
 //! [`gpudirect_rdma_supported`] says whether the device claims support.
 //!
 //! [`ipc`]: device memory shared with another process of this host (CUDA IPC) and copies
@@ -53,30 +52,13 @@ use crate::layer::{
     Lease, Readiness, ReadySignal, SrcSpace, StageCopy, StageDone, Stager, StagingBuffer,
     StagingPool,
 };
-use crate::types::{Access, RegionHandle};
+use crate::types::Access;
 
-pub(crate) use driver::create_blocking_event;
 pub use driver::{
     context, device_count, device_ordinal, driver_present, gpudirect_rdma_supported, CudaError,
 };
+pub(crate) use driver::{create_blocking_event, export_dmabuf};
 pub use region::register_device_region;
-
-/// The GPUDirect seam: a transport that can register device memory with its NIC returns an
-/// engine region for it, so layer streams send from device memory with no staging. Not
-/// implemented by tcp or shm (they always stage); the RDMA transport is where it belongs.
-pub trait DeviceRegistrar {
-    /// Registers `len` bytes of device memory at `dptr` as an engine region.
-    ///
-    /// # Safety
-    /// `dptr..dptr+len` must be device memory that stays allocated until the region is
-    /// unregistered.
-    unsafe fn register_device(
-        &self,
-        dptr: u64,
-        len: u64,
-        access: Access,
-    ) -> Result<RegionHandle, Error>;
-}
 
 type WaitJob = (u64, Box<dyn FnOnce(Result<(), String>) + Send>);
 

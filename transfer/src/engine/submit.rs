@@ -128,10 +128,12 @@ impl Engine {
             for op in ops {
                 let e = local(op.local)?;
                 check_bounds(op.local.id(), op.local_offset, op.len, e.mem.len() as u64)?;
-                if p.kind != TransportKind::CudaIpc && e.mem.device_ipc().is_some() {
+                // RDMA moves device memory its NICs registered (GPUDirect) and refuses the rest.
+                let reaches_device = matches!(p.kind, TransportKind::CudaIpc | TransportKind::Rdma);
+                if !reaches_device && e.mem.device_ipc().is_some() {
                     return Err(Error::Unsupported(format!(
-                        "local region {:?} is device memory; only the cuda_ipc transport moves it \
-                         (this peer uses {})",
+                        "local region {:?} is device memory; only the cuda_ipc and rdma \
+                         transports move it (this peer uses {})",
                         e.id,
                         metrics::transport_label(p.kind)
                     )));

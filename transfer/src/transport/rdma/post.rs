@@ -42,8 +42,8 @@ impl PeerTransport for RdmaPeer {
                     Some(mr) => mr.clone(),
                     None if x.local.mem.device_ipc().is_some() => {
                         return Err(Error::Unsupported(format!(
-                            "local region {:?} is device memory, which is not registered with \
-                             the NICs (GPUDirect RDMA is not built)",
+                            "local region {:?} is device memory that the NICs did not register \
+                             (neither dma-buf nor nvidia-peermem: the log says why)",
                             x.local.id
                         )))
                     }

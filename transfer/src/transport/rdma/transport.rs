@@ -15,7 +15,7 @@ use super::devices::{
     natural_key, nearness_groups, pair_devices, pci_sysfs_path, verbs_err, wanted_devices, DevQp,
     Nic, QP_DEPTH,
 };
-use super::mrs::MrSet;
+use super::mrs::{register_device, MrSet};
 use super::nics;
 use super::state::{Lane, LaneState, PeerShared, RdmaPeer, Shared};
 use crate::config::EngineConfig;
@@ -255,18 +255,26 @@ impl RdmaTransport {
 
     /// Registers a region's memory with every device.
     pub fn add_region(&self, e: &RegionEntry) -> Result<(), Error> {
-        if e.mem.device_ipc().is_some() {
-            // Device memory is not registered with the NICs (GPUDirect RDMA is not built): it
-            // has no memory region, so a work request naming it is refused like an
-            // unregistered region's.
-            return Ok(());
-        }
         let mut access = kvwire_verbs::Access::LOCAL_WRITE;
         if e.access.remote_write() {
             access = access | kvwire_verbs::Access::REMOTE_WRITE;
         }
         if e.access.remote_read() {
             access = access | kvwire_verbs::Access::REMOTE_READ;
+        }
+        if let Some((ordinal, _)) = e.mem.device_ipc() {
+            // GPUDirect RDMA where the NICs take device memory; else no memory region, and a
+            // work request naming the region is refused like an unregistered region's.
+            let names: Vec<String> = self.sh.devs.iter().map(|d| d.name.clone()).collect();
+            let pds = self.sh.devs.iter().map(|d| &d.pd);
+            if let Some(mrs) = register_device(e, ordinal, pds, &names, access) {
+                let set = MrSet {
+                    mrs,
+                    offered: e.access.offered(),
+                };
+                self.sh.mrs.write().insert(e.id, Arc::new(set));
+            }
+            return Ok(());
         }
         let mrs = RegionMrs::register(&e.mem, self.sh.devs.iter().map(|d| &d.pd), access).map_err(
             |(i, err)| {

@@ -15,13 +15,20 @@
 //! - mappings of a peer's memfd (shm transport), unmapped on drop;
 //! - device regions: CUDA device memory of the caller (`cuda::register_device`). The host
 //!   cannot dereference it, so every host-side copy refuses it (`ErrorKind::Unsupported`);
-//!   only the CUDA copies of the `cuda_ipc` transport reach it, through [`RegionMem::raw_addr`].
+//!   only the CUDA copies of the `cuda_ipc` transport reach it, through [`RegionMem::raw_addr`],
+//!   and NICs that registered it (`nic`: GPUDirect RDMA).
+//!
+//! `nic`: region memory registered with RDMA devices (`RegionMrs`): host memory by address,
+//! device memory by dma-buf or, where nvidia-peermem is loaded, by its device address.
 
 use std::io;
 use std::os::fd::{AsFd, AsRawFd, BorrowedFd, FromRawFd, OwnedFd, RawFd};
-use std::sync::Arc;
 
 use crate::types::DeviceIpc;
+
+mod nic;
+
+pub(crate) use nic::{DmaBuf, RegionMrs};
 
 enum Backing {
     /// A memfd we created and mapped.
@@ -572,49 +579,6 @@ pub fn cma_peek(pid: i32, addr: u64, out: &mut [u8]) -> io::Result<()> {
         ));
     }
     Ok(())
-}
-
-/// A region's memory registered with RDMA protection domains: one memory region per device
-/// (index = local device index), kept next to the memory it covers. Field order matters: the
-/// MRs are deregistered (dropped) before the last reference to the memory goes.
-pub(crate) struct RegionMrs {
-    per_dev: Vec<kvwire_verbs::Mr>,
-    _mem: Arc<RegionMem>,
-}
-
-impl RegionMrs {
-    /// Registers `mem` with every protection domain of `pds`, in order. On a failure, the
-    /// index of the domain that refused it and the verbs error (registrations made before it
-    /// are undone when they drop).
-    pub(crate) fn register<'a>(
-        mem: &Arc<RegionMem>,
-        pds: impl IntoIterator<Item = &'a kvwire_verbs::Pd>,
-        access: kvwire_verbs::Access,
-    ) -> Result<RegionMrs, (usize, kvwire_verbs::VerbsError)> {
-        let mut per_dev = Vec::new();
-        for (i, pd) in pds.into_iter().enumerate() {
-            // SAFETY: the memory `mem.addr() .. + mem.len()` is owned (memfd mapping) or
-            // promised valid by `Engine::register_raw`'s contract for as long as the
-            // `RegionMem` lives; this `RegionMrs` holds that `Arc<RegionMem>` next to every MR
-            // of it (dropped after them), and every work request naming one of the MRs holds
-            // the transport's `MrSet` that owns this value, so the memory outlives the
-            // registrations and every use of it by the NICs. The engine never hands out Rust
-            // references into region memory (copies go through `RegionMem`), so concurrent
-            // NIC access races with no Rust reference.
-            let mr = unsafe { pd.register_raw(mem.addr() as *mut u8, mem.len(), access) }
-                .map_err(|e| (i, e))?;
-            per_dev.push(mr);
-        }
-        Ok(RegionMrs {
-            per_dev,
-            _mem: mem.clone(),
-        })
-    }
-
-    /// The memory region on local device `dev`.
-    pub(crate) fn get(&self, dev: usize) -> Option<&kvwire_verbs::Mr> {
-        self.per_dev.get(dev)
-    }
 }
 
 #[cfg(test)]

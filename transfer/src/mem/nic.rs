@@ -1,0 +1,302 @@
+//! Region memory registered with RDMA devices: [`RegionMrs`], one memory region per device.
+//!
+//! Host memory is registered by its address (`ibv_reg_mr`). Device memory (GPUDirect RDMA) is
+//! registered on each device by the first of two paths that the device takes:
+//! 1. **dma-buf**: the range exported once by the CUDA driver (`cuMemGetHandleForAddressRange`
+//!    over the page-aligned span around it) and registered with `ibv_reg_dmabuf_mr` at the
+//!    region's device address as its I/O virtual address, so peers address it the way they
+//!    address host regions (announced address + offset);
+//! 2. **device address**: `ibv_reg_mr` on the device pointer, which the kernel can pin only
+//!    where nvidia-peermem is loaded.
+//!
+//! When a device takes neither, [`RegionMrs::register_device`] fails with both reasons
+//! ([`DeviceRefused`]) and nothing stays registered. Registration runs when the region is
+//! added, never on the request path.
+
+use std::os::fd::{AsRawFd, OwnedFd};
+use std::sync::Arc;
+
+use super::RegionMem;
+
+/// A dma-buf of device memory: the file and where the region starts in it.
+#[derive(Debug)]
+pub(crate) struct DmaBuf {
+    pub(crate) fd: OwnedFd,
+    pub(crate) offset: u64,
+}
+
+/// How device memory reached a device's NIC.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum GpuDirect {
+    /// `ibv_reg_dmabuf_mr` on the CUDA driver's dma-buf.
+    DmaBuf,
+    /// `ibv_reg_mr` on the device address (nvidia-peermem).
+    PeerMem,
+}
+
+/// Device memory that a device registered by neither path, and why.
+#[derive(Debug, thiserror::Error)]
+#[error(
+    "RDMA device {device}: dma-buf: {dmabuf}; device address (needs nvidia-peermem): {peermem}"
+)]
+pub(crate) struct DeviceRefused {
+    /// Index of the device (local device order).
+    pub(crate) device: usize,
+    pub(crate) dmabuf: String,
+    pub(crate) peermem: String,
+}
+
+/// A region's memory registered with RDMA protection domains: one memory region per device
+/// (index = local device index), kept next to the memory it covers. Field order matters: the
+/// MRs are deregistered (dropped) before the last reference to the memory goes.
+pub(crate) struct RegionMrs {
+    per_dev: Vec<kvwire_verbs::Mr>,
+    _mem: Arc<RegionMem>,
+}
+
+impl RegionMrs {
+    /// Registers host memory `mem` with every protection domain of `pds`, in order. On a
+    /// failure, the index of the domain that refused it and the verbs error (registrations made
+    /// before it are undone when they drop).
+    pub(crate) fn register<'a>(
+        mem: &Arc<RegionMem>,
+        pds: impl IntoIterator<Item = &'a kvwire_verbs::Pd>,
+        access: kvwire_verbs::Access,
+    ) -> Result<RegionMrs, (usize, kvwire_verbs::VerbsError)> {
+        let mut per_dev = Vec::new();
+        for (i, pd) in pds.into_iter().enumerate() {
+            // SAFETY: the memory `mem.addr() .. + mem.len()` is owned (memfd mapping) or
+            // promised valid by `Engine::register_raw`'s contract for as long as the
+            // `RegionMem` lives; this `RegionMrs` holds that `Arc<RegionMem>` next to every MR
+            // of it (dropped after them), and every work request naming one of the MRs holds
+            // the transport's `MrSet` that owns this value, so the memory outlives the
+            // registrations and every use of it by the NICs. The engine never hands out Rust
+            // references into region memory (copies go through `RegionMem`), so concurrent
+            // NIC access races with no Rust reference.
+            let mr = unsafe { pd.register_raw(mem.addr() as *mut u8, mem.len(), access) }
+                .map_err(|e| (i, e))?;
+            per_dev.push(mr);
+        }
+        Ok(RegionMrs {
+            per_dev,
+            _mem: mem.clone(),
+        })
+    }
+
+    /// Registers device memory `mem` (a device region) with every protection domain of `pds`
+    /// (GPUDirect RDMA, see the module docs); `dmabuf` is the region exported by the CUDA
+    /// driver, or why it could not be. Returns the path each device took.
+    pub(crate) fn register_device<'a>(
+        mem: &Arc<RegionMem>,
+        pds: impl IntoIterator<Item = &'a kvwire_verbs::Pd>,
+        access: kvwire_verbs::Access,
+        dmabuf: &Result<DmaBuf, String>,
+    ) -> Result<(RegionMrs, Vec<GpuDirect>), DeviceRefused> {
+        let dptr = mem.addr();
+        let mut per_dev = Vec::new();
+        let mut paths = Vec::new();
+        for (i, pd) in pds.into_iter().enumerate() {
+            // SAFETY: `mem` is device memory the caller of `cuda::register_device_region`
+            // keeps allocated while the region lives (that function's contract); this
+            // `RegionMrs` holds the `Arc<RegionMem>` next to every MR (dropped after them) and
+            // every work request naming an MR holds the transport's `MrSet` owning this value,
+            // so the memory outlives the registrations. The dma-buf covers the region (the
+            // driver exported the span around it) and the kernel keeps its own reference for
+            // as long as the MR lives. The host never dereferences the device address.
+            let (mr, path) =
+                unsafe { register_device_on(&PdAccess(pd, access), dmabuf, dptr, mem.len()) }
+                    .map_err(|(dmabuf, peermem)| DeviceRefused {
+                        device: i,
+                        dmabuf,
+                        peermem,
+                    })?;
+            per_dev.push(mr);
+            paths.push(path);
+        }
+        Ok((
+            RegionMrs {
+                per_dev,
+                _mem: mem.clone(),
+            },
+            paths,
+        ))
+    }
+
+    /// The memory region on local device `dev`.
+    pub(crate) fn get(&self, dev: usize) -> Option<&kvwire_verbs::Mr> {
+        self.per_dev.get(dev)
+    }
+}
+
+/// One device's registration calls: `kvwire_verbs::Pd` with the region's rights, a stand-in in
+/// the tests.
+trait Nic {
+    type Mr;
+
+    /// Registers `len` bytes at address `addr` (host memory, or device memory with
+    /// nvidia-peermem).
+    ///
+    /// # Safety
+    /// The memory must stay allocated while the returned MR lives.
+    unsafe fn reg_addr(&self, addr: u64, len: usize) -> Result<Self::Mr, String>;
+
+    /// Registers `len` bytes of `buf` from its offset, addressed by peers from `iova`.
+    ///
+    /// # Safety
+    /// As [`Nic::reg_addr`], for the memory behind the dma-buf.
+    unsafe fn reg_dmabuf(&self, buf: &DmaBuf, len: usize, iova: u64) -> Result<Self::Mr, String>;
+}
+
+struct PdAccess<'a>(&'a kvwire_verbs::Pd, kvwire_verbs::Access);
+
+impl Nic for PdAccess<'_> {
+    type Mr = kvwire_verbs::Mr;
+
+    unsafe fn reg_addr(&self, addr: u64, len: usize) -> Result<Self::Mr, String> {
+        // SAFETY: forwarded: the caller keeps the memory allocated while the MR lives.
+        unsafe { self.0.register_raw(addr as *mut u8, len, self.1) }.map_err(|e| e.to_string())
+    }
+
+    unsafe fn reg_dmabuf(&self, buf: &DmaBuf, len: usize, iova: u64) -> Result<Self::Mr, String> {
+        // SAFETY: forwarded: the caller keeps the memory behind the dma-buf allocated while
+        // the MR lives; the fd is open for the call.
+        unsafe {
+            self.0
+                .register_dmabuf(buf.fd.as_raw_fd(), buf.offset, len, iova, self.1)
+        }
+        .map_err(|e| e.to_string())
+    }
+}
+
+/// Registers device memory `dptr..dptr+len` on `nic`: the dma-buf when there is one and the
+/// NIC takes it, else the device address. `Err((dma-buf reason, device-address reason))`.
+///
+/// # Safety
+/// As [`Nic::reg_addr`]: the device memory stays allocated while the MR lives.
+unsafe fn register_device_on<N: Nic>(
+    nic: &N,
+    dmabuf: &Result<DmaBuf, String>,
+    dptr: u64,
+    len: usize,
+) -> Result<(N::Mr, GpuDirect), (String, String)> {
+    let refused = match dmabuf {
+        // SAFETY: forwarded from the caller.
+        Ok(buf) => match unsafe { nic.reg_dmabuf(buf, len, dptr) } {
+            Ok(mr) => return Ok((mr, GpuDirect::DmaBuf)),
+            Err(e) => e,
+        },
+        Err(e) => e.clone(),
+    };
+    // SAFETY: forwarded from the caller.
+    match unsafe { nic.reg_addr(dptr, len) } {
+        Ok(mr) => Ok((mr, GpuDirect::PeerMem)),
+        Err(e) => Err((refused, e)),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::cell::RefCell;
+
+    use super::*;
+
+    /// What a stand-in NIC registered: (path, address or iova, dma-buf offset, length).
+    type Reg = (GpuDirect, u64, u64, usize);
+
+    struct FakeNic {
+        dmabuf_ok: bool,
+        addr_ok: bool,
+        calls: RefCell<Vec<&'static str>>,
+    }
+
+    impl FakeNic {
+        fn new(dmabuf_ok: bool, addr_ok: bool) -> FakeNic {
+            FakeNic {
+                dmabuf_ok,
+                addr_ok,
+                calls: RefCell::new(Vec::new()),
+            }
+        }
+    }
+
+    impl Nic for FakeNic {
+        type Mr = Reg;
+
+        unsafe fn reg_addr(&self, addr: u64, len: usize) -> Result<Reg, String> {
+            self.calls.borrow_mut().push("addr");
+            if self.addr_ok {
+                Ok((GpuDirect::PeerMem, addr, 0, len))
+            } else {
+                Err("Bad address (os error 14)".into())
+            }
+        }
+
+        unsafe fn reg_dmabuf(&self, buf: &DmaBuf, len: usize, iova: u64) -> Result<Reg, String> {
+            self.calls.borrow_mut().push("dmabuf");
+            if self.dmabuf_ok {
+                Ok((GpuDirect::DmaBuf, iova, buf.offset, len))
+            } else {
+                Err("Operation not supported (os error 95)".into())
+            }
+        }
+    }
+
+    fn dmabuf(offset: u64) -> Result<DmaBuf, String> {
+        let fd = OwnedFd::from(std::fs::File::open("/dev/null").expect("/dev/null"));
+        Ok(DmaBuf { fd, offset })
+    }
+
+    const DPTR: u64 = 0x7f00_0000_1200;
+
+    fn register(
+        nic: &FakeNic,
+        buf: &Result<DmaBuf, String>,
+    ) -> Result<(Reg, GpuDirect), (String, String)> {
+        // SAFETY: the stand-in NIC never touches the (made-up) address.
+        unsafe { register_device_on(nic, buf, DPTR, 1 << 20) }
+    }
+
+    #[test]
+    fn the_dmabuf_comes_first_at_the_device_address() {
+        let nic = FakeNic::new(true, true);
+        let (reg, path) = register(&nic, &dmabuf(0x200)).expect("registered");
+        assert_eq!(path, GpuDirect::DmaBuf);
+        assert_eq!(reg, (GpuDirect::DmaBuf, DPTR, 0x200, 1 << 20));
+        assert_eq!(*nic.calls.borrow(), ["dmabuf"]);
+    }
+
+    #[test]
+    fn a_nic_that_refuses_the_dmabuf_gets_the_device_address() {
+        let nic = FakeNic::new(false, true);
+        let (reg, path) = register(&nic, &dmabuf(0)).expect("registered");
+        assert_eq!((path, reg.1), (GpuDirect::PeerMem, DPTR));
+        assert_eq!(*nic.calls.borrow(), ["dmabuf", "addr"]);
+    }
+
+    #[test]
+    fn without_a_dmabuf_the_device_address_is_tried() {
+        let nic = FakeNic::new(true, true);
+        let (_, path) = register(&nic, &Err("no CUDA driver".into())).expect("registered");
+        assert_eq!(path, GpuDirect::PeerMem);
+        assert_eq!(*nic.calls.borrow(), ["addr"]);
+    }
+
+    #[test]
+    fn both_refused_gives_both_reasons() {
+        let nic = FakeNic::new(false, false);
+        let (dmabuf_why, addr_why) = register(&nic, &dmabuf(0)).expect_err("refused");
+        assert!(dmabuf_why.contains("os error 95"), "{dmabuf_why}");
+        assert!(addr_why.contains("os error 14"), "{addr_why}");
+        let e = DeviceRefused {
+            device: 1,
+            dmabuf: dmabuf_why,
+            peermem: addr_why,
+        };
+        let text = e.to_string();
+        assert!(
+            text.starts_with("RDMA device 1: dma-buf: Operation not supported"),
+            "{text}"
+        );
+        assert!(text.contains("nvidia-peermem): Bad address"), "{text}");
+    }
+}
