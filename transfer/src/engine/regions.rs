@@ -18,7 +18,9 @@ use crate::wire::{CtrlMsg, WireRegion};
 pub(super) fn wire_region(e: &RegionEntry, shm: bool, rkey: u32) -> WireRegion {
     let device = e.mem.device_ipc();
     let (addr, fd, ino) = if device.is_some() {
-        (0, -1, 0) // no host address: only CUDA IPC reaches it
+        // No host mapping to share: CUDA IPC reaches it by its handle, RDMA (where a NIC
+        // registered it: GPUDirect) by its device address.
+        (if rkey != 0 { e.mem.addr() } else { 0 }, -1, 0)
     } else if shm {
         (
             e.mem.addr(),
