@@ -131,11 +131,11 @@ def _queued_tokens(s, request) -> int:
     return n
 
 
-def scheduler_loads(request=None) -> dict:
-    """``{"waiting": n, "running": n, "queued_tokens": n}`` of the vLLM scheduler that is calling
-    the connector (its frame is on the stack; read-only, best effort: ``{}`` when it is not
-    found). ``queued_tokens``: the prompt tokens its requests other than ``request`` have still
-    to compute (see :func:`_queued_tokens`)."""
+def scheduler_loads(request=None, queued_tokens: bool = False) -> dict:
+    """``{"waiting": n, "running": n}`` of the vLLM scheduler that is calling the connector (its
+    frame is on the stack; read-only, best effort: ``{}`` when it is not found); with
+    ``queued_tokens`` also ``"queued_tokens"``, the prompt tokens its requests other than
+    ``request`` have still to compute (see :func:`_queued_tokens`)."""
     f = sys._getframe(2)
     for _ in range(6):
         if f is None:
@@ -146,10 +146,11 @@ def scheduler_loads(request=None) -> dict:
                 loads = {"waiting": len(s.waiting), "running": len(s.running)}
             except TypeError:
                 return {}
-            try:
-                loads["queued_tokens"] = _queued_tokens(s, request)
-            except (TypeError, AttributeError):
-                pass
+            if queued_tokens:
+                try:
+                    loads["queued_tokens"] = _queued_tokens(s, request)
+                except (TypeError, AttributeError):
+                    pass
             return loads
         f = f.f_back
     return {}

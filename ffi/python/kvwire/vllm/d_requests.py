@@ -157,7 +157,7 @@ class DRequests:
                 now = _now()
                 st = _DReq(req=req, key=key, pid=pid, policy=policy, core=core, prompt=request.num_prompt_tokens,
                            blocks=blocks, transfer_id=dp.transfer_id, request=request)
-                loads = compat.scheduler_loads(request)
+                loads = compat.scheduler_loads()
                 st.loads = {f"d_{k}": v for k, v in loads.items()}
                 if pid in self.incompatible:
                     logger.warning("kvwire: request %s: P %s is incompatible: %s", req, addr, "; ".join(self.incompatible[pid]))

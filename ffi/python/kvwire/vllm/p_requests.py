@@ -80,7 +80,7 @@ class PRequests:
         pid = self._pid_for_addr(pp.remote_control) if pp.remote_control else None
         st = _PReq(req=request.request_id, key=key, pid=pid, addr=pp.remote_control, mode=mode, core=self.p_core(mode),
                    prompt=request.num_prompt_tokens, transfer_id=pp.transfer_id)
-        loads = compat.scheduler_loads(request)
+        loads = compat.scheduler_loads(request, queued_tokens=True)
         st.loads = {f"p_{k}": v for k, v in loads.items()}
         self.p_reqs[st.req] = st
         self.p_by_key[key] = st
