@@ -14,7 +14,8 @@
 #      transfer/tests/cuda_ipc.rs: the cuda_ipc transport between two processes (device
 #      regions written and read with the copy engines, mixed with host regions, out-of-bounds
 #      and tcp-into-device refused; every byte checked by both processes), with its GB/s next
-#      to device-to-device copies within one process (lines `FIGURE`).
+#      to device-to-device copies within one process (lines `FIGURE`); and the driver's dma-buf
+#      export of device memory (the first half of GPUDirect RDMA by dma-buf; no NIC needed).
 #   2. kvwire-bench layerwise: whole vs layerwise exposed tail, host and device memory, tcp and
 #      shm, every round verified byte for byte.
 #   3. tests/gpu/test_staging_cuda.py (the kvwire wheel from PREBUILT, torch from the machine):
@@ -70,12 +71,14 @@ step() { # step NAME CMD...: runs CMD, its output into $OUT/NAME.txt, its exit s
   set -e
 }
 
-both() { # the layer stream from device memory, then the cuda_ipc transport; fails if either did
+both() { # the layer stream from device memory, the cuda_ipc transport, the dma-buf export; fails if any did
   "$TEST_BIN" --exact cuda_device_kv_streams_layers --nocapture --test-threads=1
   local a=$?
   "$IPC_BIN" --exact cuda_ipc_moves_device_bytes_between_processes --nocapture --test-threads=1
   local b=$?
-  return $((a | b))
+  "$IPC_BIN" --exact device_memory_exports_as_a_dmabuf --nocapture --test-threads=1
+  local c=$?
+  return $((a | b | c))
 }
 step gpu-test both
 step layer-tests "$TEST_BIN" --test-threads=4

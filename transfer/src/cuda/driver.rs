@@ -126,11 +126,7 @@ pub(crate) fn page_span(addr: u64, len: u64, page: u64) -> Option<(u64, u64)> {
 /// (`cuMemGetHandleForAddressRange`, CUDA 11.7 drivers on, a device that supports dma-buf): the
 /// file, which covers the page-aligned span around the range, and where `dptr` is in it. What
 /// a NIC registers with `ibv_reg_dmabuf_mr` (GPUDirect RDMA without nvidia-peermem).
-pub(crate) fn export_dmabuf(
-    ordinal: u32,
-    dptr: u64,
-    len: u64,
-) -> Result<(OwnedFd, u64), CudaError> {
+pub fn export_dmabuf(ordinal: u32, dptr: u64, len: u64) -> Result<(OwnedFd, u64), CudaError> {
     if !driver_present() {
         return Err(CudaError::NoDriver);
     }

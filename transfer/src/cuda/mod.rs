@@ -26,7 +26,7 @@
 //! tcp and shm always stage (the `cuda_ipc` transport, towards device regions of a same-host
 //! peer, does not: it copies device to device). A device region ([`register_device_region`])
 //! is also registered with the engine's RDMA devices where they take device memory: the
-//! driver's dma-buf of it (`cuMemGetHandleForAddressRange`) through
+//! driver's dma-buf of it ([`export_dmabuf`]) through
 //! `ibv_reg_dmabuf_mr` first, its device address (`ibv_reg_mr`, nvidia-peermem) second; then
 //! RDMA work requests read and write it in place, and a layer stream can name it as
 //! [`SrcSpace::Region`] with [`EventReadiness`] as the layer's readiness and no stager.
@@ -54,10 +54,11 @@ use crate::layer::{
 };
 use crate::types::Access;
 
+pub(crate) use driver::create_blocking_event;
 pub use driver::{
-    context, device_count, device_ordinal, driver_present, gpudirect_rdma_supported, CudaError,
+    context, device_count, device_ordinal, driver_present, export_dmabuf, gpudirect_rdma_supported,
+    CudaError,
 };
-pub(crate) use driver::{create_blocking_event, export_dmabuf};
 pub use region::register_device_region;
 
 type WaitJob = (u64, Box<dyn FnOnce(Result<(), String>) + Send>);
