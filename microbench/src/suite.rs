@@ -16,7 +16,8 @@
 //!    `clock.json`), `tax.json`; report.md's "kv_both tax" section;
 //! 6. `ab --quick` — the users' A/B with real `vllm serve` processes on CPU (stand-in model):
 //!    single instance, kv_both MooncakeConnector and KvwireConnector, 1P1D per policy × send
-//!    mode, one trace replayed against each; `ab/ab.json`, `ab/ab.md`, `ab/ab.png`.
+//!    mode, one trace replayed against each; `ab/ab.json`, `ab/ab.md`, `ab/ab.png`, and the
+//!    cost model fitted on its P/D arms' timelines, `ab/cost.json` and `ab/calibration.txt`.
 //!
 //! The vLLM parts (tax's and ab) need the venvs of `tests/python/setup.sh`: when there are
 //! none they are installed first (announced with their size; `--no-vllm` skips those parts,
@@ -117,7 +118,13 @@ fn steps(out: &Path, quick: bool, no_vllm: bool) -> Vec<Step> {
         Step {
             name: "ab",
             args: vec!["ab".into(), "--quick".into(), "--out".into(), p("ab")],
-            files: vec!["ab/ab.json", "ab/ab.md", "ab/ab.png"],
+            files: vec![
+                "ab/ab.json",
+                "ab/ab.md",
+                "ab/ab.png",
+                "ab/cost.json",
+                "ab/calibration.txt",
+            ],
         },
     ]
 }
