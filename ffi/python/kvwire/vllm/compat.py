@@ -120,12 +120,24 @@ def _cache_hit(s, r) -> int:
         return 0
 
 
-def _queued_tokens(s, request) -> int:
+def _waiting_queues(s, frame) -> list:
+    """Every queue of scheduler ``s`` that holds waiting requests: ``waiting``; on versions that
+    keep them apart (0.18.1), ``skipped_waiting`` (requests blocked on remote KV, grammar, ...);
+    and the requests the step now running has set aside so far (``step_skipped_waiting``, a local
+    of ``schedule``, put back at its end)."""
+    queues = [s.waiting]
+    for q in (getattr(s, "skipped_waiting", None), frame.f_locals.get("step_skipped_waiting")):
+        if q is not None and all(q is not x for x in queues):
+            queues.append(q)
+    return queues
+
+
+def _queued_tokens(s, waiting: list, request) -> int:
     """Prompt tokens the requests of scheduler ``s`` other than ``request`` have still to compute:
     a running one's uncomputed rest; a waiting one's prompt less its prefix-cache hit (looked up
     for the first :data:`LOOKUPS` of them)."""
     n = sum(max(0, r.num_prompt_tokens - r.num_computed_tokens) for r in s.running if r is not request)
-    for i, r in enumerate(x for x in s.waiting if x is not request):
+    for i, r in enumerate(x for q in waiting for x in q if x is not request):
         hit = _cache_hit(s, r) if i < LOOKUPS and r.num_computed_tokens == 0 else 0
         n += max(0, r.num_prompt_tokens - max(r.num_computed_tokens, hit))
     return n
@@ -143,12 +155,13 @@ def scheduler_loads(request=None, queued_tokens: bool = False) -> dict:
         s = f.f_locals.get("self")
         if s is not None and hasattr(s, "waiting") and hasattr(s, "running"):
             try:
-                loads = {"waiting": len(s.waiting), "running": len(s.running)}
+                waiting = _waiting_queues(s, f)
+                loads = {"waiting": sum(len(q) for q in waiting), "running": len(s.running)}
             except TypeError:
                 return {}
             if queued_tokens:
                 try:
-                    loads["queued_tokens"] = _queued_tokens(s, request)
+                    loads["queued_tokens"] = _queued_tokens(s, waiting, request)
                 except (TypeError, AttributeError):
                     pass
             return loads
