@@ -238,7 +238,11 @@ impl PeerShared {
     }
 
     /// Breaks the lanes carrying a batch's WRs and waits (bounded) until none is on the NIC.
+    /// The batch is marked first, so that its flushed WRs are dropped rather than posted again
+    /// on another lane (re-established lanes come back quickly: a WR re-posted there would be
+    /// on the NIC again while this waits, and could land after the failure is published).
     pub(super) fn quiesce(&self, b: &BatchCtx) {
+        b.quiescing.store(true, Ordering::Release);
         let mask = b.lanes.load(Ordering::Acquire);
         for (i, l) in self.lanes.iter().enumerate() {
             if mask & (1u64 << (i % 64)) != 0 && b.on_nic.load(Ordering::Acquire) > 0 {

@@ -23,11 +23,11 @@ impl PeerShared {
                 let mut v = Vec::with_capacity(ids.len());
                 for id in ids {
                     let done = match m.get(&id) {
-                        Some(e) => e.batch.state.is_done(),
+                        Some(e) => e.batch.stopped(),
                         None => continue,
                     };
                     if done {
-                        m.remove(&id); // timed out or failed meanwhile: not posted at all
+                        m.remove(&id); // timed out or failing meanwhile: not posted at all
                         continue;
                     }
                     if let Some(e) = m.get_mut(&id) {
@@ -160,6 +160,10 @@ impl PeerShared {
             let mut m = self.wrs.lock();
             for id in ids {
                 let Some(e) = m.get_mut(&id) else { continue };
+                if e.batch.quiescing.load(Ordering::Acquire) {
+                    m.remove(&id); // its batch is failing: flushed off the NIC, not re-posted
+                    continue;
+                }
                 if closed
                     || targets.is_empty()
                     || e.retries >= MAX_RETRIES

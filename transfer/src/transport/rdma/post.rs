@@ -1,7 +1,7 @@
 //! [`RdmaPeer`] as a [`PeerTransport`]: batches cut into work requests and striped over the
 //! lanes, counters, close.
 
-use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, Ordering};
 use std::sync::Arc;
 
 use parking_lot::Mutex;
@@ -106,6 +106,7 @@ impl PeerTransport for RdmaPeer {
             notify: Mutex::new(b.notify),
             on_nic: AtomicU32::new(0),
             lanes: AtomicU64::new(0),
+            quiescing: AtomicBool::new(false),
         });
         if b.dir == Dir::Read {
             // At a deadline (or any failure from outside the data path), READs still in flight

@@ -90,6 +90,16 @@ pub(super) struct BatchCtx {
     pub(super) on_nic: AtomicU32,
     /// Lanes the batch's WRs were posted on (bit per lane).
     pub(super) lanes: AtomicU64,
+    /// Set when the batch is failing and its WRs are being flushed off the NIC
+    /// ([`PeerShared::quiesce`]): none of them is posted again.
+    pub(super) quiescing: AtomicBool,
+}
+
+impl BatchCtx {
+    /// Whether the batch's WRs are no longer to be posted: it ended, or it is failing.
+    pub(super) fn stopped(&self) -> bool {
+        self.quiescing.load(Ordering::Acquire) || self.state.is_done()
+    }
 }
 
 pub(super) struct WrEntry {
