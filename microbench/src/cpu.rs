@@ -28,6 +28,28 @@ pub fn s_per_gb(cpu: Option<Duration>, bytes: u64) -> Option<f64> {
     }
 }
 
+/// CPU time so far of this process's threads whose name starts with `prefix` (the scheduler's
+/// per-thread run time, `/proc/self/task/*/schedstat`, in ns); `None` when no such thread is
+/// found or the kernel keeps no schedstat.
+pub fn threads_named(prefix: &str) -> Option<Duration> {
+    let mut total = None;
+    for t in std::fs::read_dir("/proc/self/task").ok()?.flatten() {
+        let Ok(comm) = std::fs::read_to_string(t.path().join("comm")) else {
+            continue;
+        };
+        if !comm.trim_end().starts_with(prefix) {
+            continue;
+        }
+        let ns = std::fs::read_to_string(t.path().join("schedstat"))
+            .ok()
+            .and_then(|s| s.split_whitespace().next()?.parse::<u64>().ok());
+        if let Some(ns) = ns {
+            *total.get_or_insert(Duration::ZERO) += Duration::from_nanos(ns);
+        }
+    }
+    total
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -17,6 +17,7 @@ use kvwire_transfer::TransportKind;
 mod cuda_ipc;
 mod layerwise;
 mod tax;
+mod wr_cost;
 
 #[derive(Parser)]
 #[command(name = "kvwire-bench", version, about = "kvwire microbenches")]
@@ -58,6 +59,10 @@ enum Cmd {
     /// KvwireConnector, 1P1D per reservation policy × send mode, one agentic trace replayed
     /// against each; ab.json, ab.md, ab.png.
     Ab(kvwire_bench::ab::AbArgs),
+    /// CPU per RDMA work request without a NIC: the engine's posting and completion paths on
+    /// the in-process software device (kvwire-verbs-loopback), next to the verbs layer's floor
+    /// and the request rates 200 and 400 Gb/s need per slice size.
+    WrCost(wr_cost::WrCostArgs),
     /// Print a new random shared secret (256 bits, 64 hex digits) for `--secret` and
     /// `EngineConfig::secret`: `SECRET=$(kvwire-bench secret)`.
     Secret,
@@ -171,6 +176,7 @@ fn main() -> ExitCode {
         Cmd::Report(a) => Ok(kvwire_bench::suite::run(&a)),
         Cmd::Tax(a) => Ok(tax::run(&a)),
         Cmd::Ab(a) => Ok(kvwire_bench::ab::run(&a)),
+        Cmd::WrCost(a) => wr_cost::run(&a),
         Cmd::Secret => {
             println!("{}", kvwire_transfer::new_secret());
             Ok(ExitCode::SUCCESS)

@@ -2,6 +2,8 @@
 //!
 //! Modules:
 //! * `sys`: the generated bindings (bindgen, dynamic loading; committed, see its header);
+//!   public (hidden) only for `kvwire-verbs-loopback`, the in-process software device that
+//!   implements these entry points for tests and the per-work-request bench;
 //! * `library`: the loaded library (`Lib`) and the symbol-fetch macro;
 //! * `loader`: [`Verbs`] — load the library, list and open devices;
 //! * `device`: [`Context`], ports, GIDs, MTUs, sysfs locality;
@@ -9,7 +11,10 @@
 //! * `qp`: RC queue pairs ([`Qp`]), endpoints, posting work requests;
 //! * `cq`: completion queues ([`Cq`]) with their completion channel;
 //! * `ops`: the static-inline verbs written through the context's ops table;
-//! * `error`: [`VerbsError`], work-completion statuses.
+//! * `error`: [`VerbsError`], work-completion statuses;
+//! * `loopback`: [`Loopback`], the controls of the in-process software device
+//!   (`kvwire-verbs-loopback`) that tests and the per-work-request bench load in place of
+//!   libibverbs.
 //!
 //! libibverbs is opened with `dlopen` (through [`libloading`]) when [`Verbs::load`] (path from
 //! `$KVWIRE_IBVERBS_PATH`, else the soname) or [`Verbs::load_from`] (an explicit path, which
@@ -45,6 +50,7 @@ mod device;
 mod error;
 mod library;
 mod loader;
+mod loopback;
 mod memory;
 mod ops;
 mod qp;
@@ -58,7 +64,8 @@ mod qp;
     clippy::all,
     clippy::undocumented_unsafe_blocks
 )]
-mod sys;
+#[doc(hidden)]
+pub mod sys;
 
 pub use cq::{Completion, CompletionOp, Cq};
 pub use device::{
@@ -67,5 +74,6 @@ pub use device::{
 };
 pub use error::{VerbsError, WcError, WcStatus};
 pub use loader::{Verbs, DEFAULT_LIBRARY, LIBRARY_ENV};
+pub use loopback::{find_loopback, Loopback, LOOPBACK_LIBRARY};
 pub use memory::{Access, Mr, Pd, RegisteredBuffer, RemoteSlice, Sge};
 pub use qp::{ConnectParams, Endpoint, Qp, QpCaps, SendOp, SendRequest};
