@@ -283,6 +283,14 @@ pub fn run(a: &WrCostArgs) -> Result<ExitCode, BenchError> {
     std::env::set_var(kvwire_transfer::verbs::LIBRARY_ENV, &path);
     std::env::set_var("KVWIRE_LOOPBACK_DEVICES", "1");
     let lo = Loopback::load(&path).map_err(|e| plan(format!("loopback device: {e}")))?;
+    // Holds the device open for the whole run, so that every row measures the same completion
+    // thread (one per device per process; it ends when its last engine is gone).
+    let _anchor = Engine::new(EngineConfig {
+        transport: TransportKind::Rdma,
+        rdma_devices: vec!["loop0".into()],
+        ..EngineConfig::from_env()
+    })
+    .map_err(|e| plan(format!("engine on the loopback device: {e}")))?;
     let mut rows = Vec::new();
     let mut floors = Vec::new();
     for &slice in &a.slices {
