@@ -6,7 +6,7 @@ use std::sync::atomic::Ordering;
 
 use kvwire_verbs::sys;
 
-use crate::state::{push_wc, set_errno, state, to_error, wc, Qp, NEXT_QPN};
+use crate::state::{post_chain, push_wc, set_errno, state, to_error, wc, Qp, State, NEXT_QPN};
 use crate::MAX_SGE;
 
 /// # Safety
@@ -133,32 +133,19 @@ pub(crate) unsafe extern "C" fn post_recv(
 ) -> c_int {
     // SAFETY: `qp` is live (the caller's `ibv_post_recv` contract).
     let qpn = unsafe { (*qp).qp_num };
-    let mut s = state();
-    let mut w = wr;
-    while !w.is_null() {
-        // SAFETY: `w` is an element of the caller's valid NULL-terminated chain.
-        let r = unsafe { &*w };
-        let Some(q) = s.qps.get_mut(&qpn) else {
-            // SAFETY: `bad` is writable (contract).
-            unsafe { *bad = w };
-            return libc::EINVAL;
-        };
-        if q.state == sys::IBV_QPS_RESET {
-            // SAFETY: as above.
-            unsafe { *bad = w };
-            return libc::EINVAL;
+    let each = |s: &mut State, r: &sys::ibv_recv_wr| {
+        let q = s.qps.get_mut(&qpn).ok_or(libc::EINVAL)?;
+        match q.state {
+            sys::IBV_QPS_RESET => return Err(libc::EINVAL),
+            sys::IBV_QPS_ERR => {
+                let cq = q.recv_cq;
+                let x = wc(r.wr_id, qpn, sys::IBV_WC_WR_FLUSH_ERR, sys::IBV_WC_RECV, 0);
+                push_wc(s, cq, x);
+            }
+            _ => q.recvs.push_back(r.wr_id),
         }
-        if q.state == sys::IBV_QPS_ERR {
-            let cq = q.recv_cq;
-            push_wc(
-                &mut s,
-                cq,
-                wc(r.wr_id, qpn, sys::IBV_WC_WR_FLUSH_ERR, sys::IBV_WC_RECV, 0),
-            );
-        } else {
-            q.recvs.push_back(r.wr_id);
-        }
-        w = r.next;
-    }
-    0
+        Ok(())
+    };
+    // SAFETY: `wr` and `bad` as libibverbs' contract says (passed through).
+    unsafe { post_chain(wr, bad, each) }
 }

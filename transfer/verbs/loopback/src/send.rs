@@ -7,7 +7,9 @@ use std::sync::LazyLock;
 
 use kvwire_verbs::sys;
 
-use crate::state::{push_wc, state, to_error, wc, wc_opcode, State, Wr, POLLED, POSTED};
+use crate::state::{
+    post_chain, push_wc, state, to_error, wc, wc_opcode, State, Wr, POLLED, POSTED,
+};
 use crate::{MAX_SGE, NOCOPY_ENV};
 
 /// Whether requests move no byte (checked all the same): from `KVWIRE_LOOPBACK_NOCOPY` at
@@ -186,19 +188,8 @@ pub(crate) unsafe extern "C" fn post_send(
 ) -> c_int {
     // SAFETY: `qp` is live (the caller's `ibv_post_send` contract).
     let qpn = unsafe { (*qp).qp_num };
-    let mut s = state();
-    let mut w = wr;
-    while !w.is_null() {
-        // SAFETY: `w` is an element of the caller's valid NULL-terminated chain.
-        let r = unsafe { &*w };
-        let refuse = |w| {
-            // SAFETY: `bad` is writable (contract).
-            unsafe { *bad = w };
-            libc::EINVAL
-        };
-        let Some(q) = s.qps.get(&qpn) else {
-            return refuse(w);
-        };
+    let each = |s: &mut State, r: &sys::ibv_send_wr| {
+        let q = s.qps.get(&qpn).ok_or(libc::EINVAL)?;
         let n = r.num_sge.max(0) as usize;
         if !matches!(q.state, sys::IBV_QPS_RTS | sys::IBV_QPS_ERR)
             || !matches!(
@@ -208,11 +199,11 @@ pub(crate) unsafe extern "C" fn post_send(
             || n > MAX_SGE
             || (n > 0 && r.sg_list.is_null())
         {
-            return refuse(w);
+            return Err(libc::EINVAL);
         }
         let sges = (0..n)
             .map(|k| {
-                // SAFETY: the chain's entry names `num_sge` readable entries (checked non-NULL).
+                // SAFETY: the entry names `num_sge` readable entries (checked non-NULL).
                 let g = unsafe { *r.sg_list.add(k) };
                 (g.addr, g.length, g.lkey)
             })
@@ -239,9 +230,10 @@ pub(crate) unsafe extern "C" fn post_send(
         if s.held {
             s.pending.push_back(req);
         } else {
-            execute(&mut s, req);
+            execute(s, req);
         }
-        w = r.next;
-    }
-    0
+        Ok(())
+    };
+    // SAFETY: `wr` and `bad` as libibverbs' contract says (passed through).
+    unsafe { post_chain(wr, bad, each) }
 }

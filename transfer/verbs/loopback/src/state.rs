@@ -166,3 +166,48 @@ pub(crate) fn wc(
         ..Default::default()
     }
 }
+
+/// A request of a chain that a caller posts (`ibv_send_wr`, `ibv_recv_wr`).
+pub(crate) trait Chained {
+    /// The next request of the chain (NULL: the last).
+    fn next_wr(&self) -> *mut Self;
+}
+
+impl Chained for sys::ibv_send_wr {
+    fn next_wr(&self) -> *mut Self {
+        self.next
+    }
+}
+
+impl Chained for sys::ibv_recv_wr {
+    fn next_wr(&self) -> *mut Self {
+        self.next
+    }
+}
+
+/// Gives each request of the caller's chain, from `first`, to `f` with the tables locked; the
+/// first request `f` refuses goes to `bad` and its errno is returned (the ones before it stay
+/// posted, as with libibverbs).
+///
+/// # Safety
+/// `first` is NULL or a valid NULL-terminated chain whose entries stay valid for the call;
+/// `bad` is writable.
+pub(crate) unsafe fn post_chain<W: Chained>(
+    first: *mut W,
+    bad: *mut *mut W,
+    mut f: impl FnMut(&mut State, &W) -> Result<(), c_int>,
+) -> c_int {
+    let mut s = state();
+    let mut w = first;
+    while !w.is_null() {
+        // SAFETY: `w` is an element of the caller's valid chain (contract).
+        let r = unsafe { &*w };
+        if let Err(e) = f(&mut s, r) {
+            // SAFETY: `bad` is writable (contract).
+            unsafe { *bad = w };
+            return e;
+        }
+        w = r.next_wr();
+    }
+    0
+}
