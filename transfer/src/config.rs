@@ -17,6 +17,8 @@ pub(crate) const RDMA_DEVICE_ENV: &str = "KVWIRE_RDMA_DEVICE";
 const RDMA_NEAR_ENV: &str = "KVWIRE_RDMA_NEAR";
 /// Environment variable of [`EngineConfig::rdma_signal_every`].
 const RDMA_SIGNAL_ENV: &str = "KVWIRE_RDMA_SIGNAL_EVERY";
+/// Environment variable of [`EngineConfig::rdma_max_sge`].
+const RDMA_MAX_SGE_ENV: &str = "KVWIRE_RDMA_MAX_SGE";
 /// Environment variable of [`EngineConfig::rdma_poll`] (µs).
 pub(crate) const RDMA_POLL_ENV: &str = "KVWIRE_RDMA_POLL_US";
 /// Environment variable of [`EngineConfig::ibverbs_path`] (the same one
@@ -98,6 +100,13 @@ pub struct EngineConfig {
     /// too were signalled one in 16, in-VM runs over two devices saw READ batches complete
     /// with a slice unwritten; WRITEs always verified.)
     pub rdma_signal_every: Option<u64>,
+    /// RDMA: the most local pieces one work request gathers (a scatter-gather list). Slices
+    /// that are contiguous at the peer but not locally (KV blocks scattered in P's cache bound
+    /// for a run of D's blocks) go as one WRITE, or one READ, of up to this many pieces and
+    /// `slice_size` bytes, instead of one work request each. `None` (or 0) = 16, lowered to
+    /// what the devices allow; 1 = one piece per work request. Environment:
+    /// `KVWIRE_RDMA_MAX_SGE` (a value that is not a number is ignored, with a warning).
+    pub rdma_max_sge: Option<u64>,
     /// RDMA: how long a completion thread keeps polling its completion queue after a
     /// completion while work requests are still on the NIC, before it arms the queue and
     /// sleeps; capped at 10 ms. `None` = zero: never (in the SoftRoCE VM a 200 µs window halved
@@ -132,6 +141,7 @@ impl Default for EngineConfig {
             rdma_device_fallback: None,
             rdma_near: None,
             rdma_signal_every: None,
+            rdma_max_sge: None,
             rdma_poll: None,
             ibverbs_path: None,
             limits: Limits::default(),
@@ -153,6 +163,7 @@ impl EngineConfig {
             rdma_device_fallback: std::env::var(RDMA_DEVICE_ENV).ok(),
             rdma_near: std::env::var(RDMA_NEAR_ENV).ok(),
             rdma_signal_every: number_knob(RDMA_SIGNAL_ENV),
+            rdma_max_sge: number_knob(RDMA_MAX_SGE_ENV),
             rdma_poll: number_knob(RDMA_POLL_ENV).map(Duration::from_micros),
             ibverbs_path: match std::env::var_os(IBVERBS_PATH_ENV) {
                 Some(p) if !p.is_empty() => Some(p.to_string_lossy().into_owned()),

@@ -48,6 +48,17 @@ pub fn engine_sliced(
     lanes: usize,
     slice_size: usize,
 ) -> Engine {
+    engine_cfg(devs, kind, lanes, slice_size, EngineConfig::from_env())
+}
+
+/// [`engine_sliced`] from `base` (the run's knobs, or some set by a test).
+pub fn engine_cfg(
+    devs: &[&str],
+    kind: TransportKind,
+    lanes: usize,
+    slice_size: usize,
+    base: EngineConfig,
+) -> Engine {
     let (rdma_device, rdma_devices) = match devs {
         [one] => (Some(one.to_string()), Vec::new()),
         many => (None, many.iter().map(|d| d.to_string()).collect()),
@@ -60,7 +71,7 @@ pub fn engine_sliced(
         rdma_devices,
         default_deadline: Duration::from_secs(60),
         // The run's knobs (signalling, poll window; KVWIRE_PREFER_RDMA where set below).
-        ..EngineConfig::from_env()
+        ..base
     })
     .unwrap_or_else(|e| panic!("engine on {devs:?}: {e}"))
 }
@@ -86,11 +97,21 @@ pub fn pair(dev_t: &[&str], dev_i: &[&str], kind: TransportKind) -> Pair {
 }
 
 pub fn pair_sliced(dev_t: &[&str], dev_i: &[&str], kind: TransportKind, slice: usize) -> Pair {
-    let target = engine_sliced(dev_t, kind, 4, slice);
+    pair_cfg(dev_t, dev_i, kind, slice, EngineConfig::from_env())
+}
+
+pub fn pair_cfg(
+    dev_t: &[&str],
+    dev_i: &[&str],
+    kind: TransportKind,
+    slice: usize,
+    base: EngineConfig,
+) -> Pair {
+    let target = engine_cfg(dev_t, kind, 4, slice, base.clone());
     let dst = target
         .alloc_region(REGION, Access::ReadWrite)
         .expect("target region");
-    let init = engine_sliced(dev_i, kind, 4, slice);
+    let init = engine_cfg(dev_i, kind, 4, slice, base);
     let src = init
         .alloc_region(REGION, Access::Local)
         .expect("src region");
@@ -197,6 +218,138 @@ pub fn sg_writes_with_notifications(p: &Pair) {
     }
     assert!(notes.try_recv().is_none(), "no stray notification");
     println!("12 scatter-gather batches with notifications: data verified at notification time");
+}
+
+/// Scatter-gather entries per work request the engine gathers by default (the loopback
+/// device and rxe both allow at least as many).
+pub const SGE: usize = 16;
+
+/// KV-shaped batches: blocks scattered in the initiator's memory (every third block slot,
+/// backwards) and a run of consecutive blocks at the target, as a P cache writing into a run of
+/// D's blocks. Coalescing cannot merge them; scatter-gather lists can: `slices` (the work
+/// requests posted) is what one WR per `min(slice, max_sge blocks)` gives, for the default
+/// and for `rdma_max_sge` 4 and 1 (no gathering). Written, then read back into other
+/// scattered blocks, every byte checked at both ends; then pieces that do not divide the
+/// slice, and a gap at the target that starts a new request.
+pub fn gathered_writes_and_reads(dev_t: &str, dev_i: &str) {
+    const BLOCK: usize = 16 << 10;
+    const BLOCKS: usize = 64;
+    for (slice, max_sge) in [
+        (64usize << 10, None),
+        (1 << 20, None),
+        (1 << 20, Some(4)),
+        (1 << 20, Some(1)),
+    ] {
+        let base = EngineConfig {
+            rdma_max_sge: max_sge,
+            ..EngineConfig::from_env()
+        };
+        let sge = max_sge.map_or(SGE, |n| n as usize);
+        let p = pair_cfg(&[dev_t], &[dev_i], TransportKind::Rdma, slice, base);
+        let rid = p.target.region_id(p.dst);
+        let per_wr = sge.min(slice / BLOCK);
+        let want_wrs = BLOCKS.div_ceil(per_wr);
+        let slot = |b: usize, shift: usize| ((BLOCKS - 1 - b) * 3 + shift) * BLOCK;
+        let mut ops = Vec::new();
+        for b in 0..BLOCKS {
+            p.init
+                .local_write(p.src, slot(b, 0) as u64, &pattern(900 + b as u64, BLOCK))
+                .expect("fill block");
+            ops.push(Op {
+                local: p.src,
+                local_offset: slot(b, 0) as u64,
+                remote: rid,
+                remote_offset: (4096 + b * BLOCK) as u64,
+                len: BLOCK as u64,
+            });
+        }
+        let st = p
+            .init
+            .write(&p.peer, &ops, None, None)
+            .expect("submit gathered write")
+            .wait()
+            .expect("gathered write");
+        assert_eq!((st.ops, st.writes), (BLOCKS, BLOCKS), "nothing coalesces");
+        assert_eq!(
+            st.slices, want_wrs,
+            "slice {slice}: {BLOCKS} blocks of {BLOCK} B in WRs of {per_wr}"
+        );
+        for b in 0..BLOCKS {
+            check_eq(
+                &format!("gathered write, slice {slice}, block {b}"),
+                &read_back(&p.target, p.dst, (4096 + b * BLOCK) as u64, BLOCK),
+                &pattern(900 + b as u64, BLOCK),
+            );
+        }
+        // READ the run back into other scattered slots (one past each written slot).
+        let reads: Vec<Op> = ops
+            .iter()
+            .enumerate()
+            .map(|(b, o)| Op {
+                local_offset: slot(b, 1) as u64,
+                ..*o
+            })
+            .collect();
+        let st = p
+            .init
+            .read(&p.peer, &reads, None)
+            .expect("submit scattered read")
+            .wait()
+            .expect("scattered read");
+        assert_eq!(st.slices, want_wrs, "slice {slice}: READ scatter lists");
+        for b in 0..BLOCKS {
+            check_eq(
+                &format!("scattered read, slice {slice}, block {b}"),
+                &read_back(&p.init, p.src, slot(b, 1) as u64, BLOCK),
+                &pattern(900 + b as u64, BLOCK),
+            );
+        }
+        // 40 pieces of 10,000 B, scattered locally: 6 fit a 64 KiB slice; the 21st lands
+        // one byte after the 20th ends (a gap at the target starts a new request).
+        let mut ops = Vec::new();
+        let mut ro = 2 << 20;
+        for j in 0..40usize {
+            if j == 20 {
+                ro += 1;
+            }
+            let lo = (8 << 20) + ((40 - j) * 3 * 10_000) as u64;
+            p.init
+                .local_write(p.src, lo, &pattern(5000 + j as u64, 10_000))
+                .expect("fill piece");
+            ops.push(Op {
+                local: p.src,
+                local_offset: lo,
+                remote: rid,
+                remote_offset: ro as u64,
+                len: 10_000,
+            });
+            ro += 10_000;
+        }
+        let st = p
+            .init
+            .write(&p.peer, &ops, None, None)
+            .expect("submit pieces")
+            .wait()
+            .expect("pieces");
+        let per_wr = sge.min(slice / 10_000);
+        assert_eq!(
+            st.slices,
+            2 * 20usize.div_ceil(per_wr),
+            "slice {slice}: pieces"
+        );
+        for (j, o) in ops.iter().enumerate() {
+            check_eq(
+                &format!("piece {j} at {}", o.remote_offset),
+                &read_back(&p.target, p.dst, o.remote_offset, 10_000),
+                &pattern(5000 + j as u64, 10_000),
+            );
+        }
+        println!(
+            "slice {slice}, {sge} pieces per request: {BLOCKS} scattered blocks in {want_wrs} \
+             work requests each way, 40 pieces in {}: every byte verified",
+            st.slices
+        );
+    }
 }
 
 pub fn reads_of_many_sizes(p: &Pair) {
@@ -835,11 +988,23 @@ pub fn cq_threads() -> Vec<String> {
 /// Waits (bounded) until the completion threads of devices no engine holds any more have
 /// ended (each ends at its next wake-up once its last engine is gone).
 pub fn settled_cq_threads(want: &[String]) -> Vec<String> {
+    settled(want.to_vec(), cq_threads)
+}
+
+/// Device contexts open in this process once those of engines that are gone have closed (a
+/// device closes after its completion thread ended and the last region or queue pair of a
+/// dropped engine let go of it), waiting (bounded) for `want`.
+pub fn settled_contexts(want: usize) -> usize {
+    settled(want, kvwire_transfer::verbs::contexts_open)
+}
+
+/// `now()` once it equals `want`, or after 20 s, whatever it is then.
+fn settled<T: PartialEq>(want: T, now: impl Fn() -> T) -> T {
     let t0 = Instant::now();
     loop {
-        let now = cq_threads();
-        if now == want || t0.elapsed() > Duration::from_secs(20) {
-            return now;
+        let v = now();
+        if v == want || t0.elapsed() > Duration::from_secs(20) {
+            return v;
         }
         std::thread::sleep(Duration::from_millis(50));
     }
@@ -850,6 +1015,7 @@ pub fn settled_cq_threads(want: &[String]) -> Vec<String> {
 /// layer), one completion thread per device whatever the number of engines, and the engines
 /// still move every byte right between each other over the shared devices' queues.
 pub fn shared_devices(d0: &str, d1: &str) {
+    assert_eq!(settled_contexts(0), 0, "earlier engines' devices closed");
     let first = engine_sliced(&[d0, d1], TransportKind::Rdma, 2, 64 << 10);
     let want = {
         let mut v = vec![format!("rdma-cq-{d0}"), format!("rdma-cq-{d1}")];
@@ -918,7 +1084,7 @@ pub fn shared_devices(d0: &str, d1: &str) {
         "threads end with the last engine"
     );
     assert_eq!(
-        kvwire_transfer::verbs::contexts_open(),
+        settled_contexts(0),
         0,
         "devices closed with the last engine"
     );
@@ -948,6 +1114,7 @@ pub fn run(d0: &str, d1: &str, nic: &Nic) {
     bad_regions(&p, nic);
     read_deadline(&p, nic);
     drop(p);
+    gathered_writes_and_reads(d0, d1);
     multi_device(d0, d1, nic);
     shared_devices(d0, d1);
     // Auto between two engines of one host picks shm unless told otherwise.

@@ -392,6 +392,11 @@ impl Context {
         self.inner.limits.max_sge
     }
 
+    /// Largest number of scatter-gather entries per RDMA READ request.
+    pub fn max_sge_rd(&self) -> u32 {
+        self.inner.limits.max_sge_rd
+    }
+
     /// Largest number of outstanding work requests per queue.
     pub fn max_qp_wr(&self) -> u32 {
         self.inner.limits.max_qp_wr

@@ -15,6 +15,10 @@ use crate::wire::rdma::{LINK_ETH_V4, LINK_ETH_V6, LINK_IB};
 
 /// Send queue depth per QP.
 pub(super) const QP_DEPTH: u32 = 256;
+/// Scatter-gather entries per work request asked of a QP (the device may allow fewer): with
+/// 16 KiB KV blocks, 16 entries let one WR move 256 KiB of blocks that are scattered locally
+/// and contiguous at the peer.
+pub(super) const MAX_SGE: u32 = 16;
 /// Completion queue entries per device (shared by every QP of the device, capped by the
 /// device's limit). Sized as if every WR were signalled: at most `CQ entries / QP_DEPTH` QPs exist at once
 /// on a device (counting QPs prepared for handshakes); beyond that a handshake does not offer
@@ -32,6 +36,9 @@ pub(super) struct Dev {
     pub(super) mtu: Mtu,
     pub(super) link: u8,
     pub(super) cq_entries: usize,
+    /// Local scatter-gather entries a WRITE and a READ may carry on this device's QPs.
+    pub(super) sge_write: u32,
+    pub(super) sge_read: u32,
     pub(super) live_qps: Arc<AtomicUsize>,
     /// WRs posted on this device's QPs and not completed yet (a hint for the completion
     /// thread's poll window).
@@ -93,7 +100,10 @@ impl Dev {
                 self.name
             )));
         }
-        match self.pd.create_rc_qp(&self.cq, &self.cq, qp_caps()) {
+        match self
+            .pd
+            .create_rc_qp(&self.cq, &self.cq, qp_caps(self.sge_write))
+        {
             Ok(qp) => Ok(DevQp {
                 qp,
                 live: self.live_qps.clone(),
@@ -120,6 +130,8 @@ impl Dev {
         let pd = ctx.alloc_pd()?;
         let cq_entries = CQ_ENTRIES.min(ctx.max_cqe().max(1));
         let cq = ctx.create_cq(cq_entries)?;
+        let sge_write = MAX_SGE.min(ctx.max_sge()).max(1);
+        let sge_read = sge_write.min(ctx.max_sge_rd()).max(1);
         Ok(Dev {
             name: name.to_string(),
             pd,
@@ -131,6 +143,8 @@ impl Dev {
             mtu: port.active_mtu,
             _ctx: ctx,
             cq_entries: cq_entries as usize,
+            sge_write,
+            sge_read,
             live_qps: Arc::new(AtomicUsize::new(0)),
             inflight: Arc::new(AtomicUsize::new(0)),
         })
@@ -260,11 +274,11 @@ pub(super) fn pair_devices(first: &[u8], second: &[u8]) -> Vec<(usize, usize)> {
     out
 }
 
-fn qp_caps() -> QpCaps {
+fn qp_caps(max_send_sge: u32) -> QpCaps {
     QpCaps {
         max_send_wr: QP_DEPTH,
         max_recv_wr: 1,
-        max_send_sge: 1,
+        max_send_sge,
         max_recv_sge: 1,
     }
 }

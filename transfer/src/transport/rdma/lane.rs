@@ -2,6 +2,7 @@
 //! work requests to another lane, asking the peer to re-establish a broken one.
 
 use std::collections::HashMap;
+use std::ops::Range;
 use std::sync::atomic::Ordering;
 
 use kvwire_verbs::{Endpoint, RemoteSlice, SendOp, SendRequest, Sge, VerbsError};
@@ -11,6 +12,16 @@ use super::state::{LaneState, PeerShared, WrEntry, MAX_RETRIES, WR_TRACE};
 use crate::error::Error;
 use crate::wire::rdma::{LaneOp, RdmaMsg};
 
+/// A work request about to be posted on a lane: its id, what it does, its local pieces (a
+/// range of the chain's scatter-gather entries), where it goes, whether it is signalled.
+struct Posting {
+    id: u64,
+    op: SendOp,
+    sges: Range<usize>,
+    remote: RemoteSlice,
+    signaled: bool,
+}
+
 impl PeerShared {
     /// Posts what fits of the lane's backlog. Called with the lane state locked.
     pub(super) fn pump(&self, lane: usize, st: &mut LaneState) -> Result<(), VerbsError> {
@@ -18,7 +29,8 @@ impl PeerShared {
         while !st.broken && !st.backlog.is_empty() && st.outstanding < l.depth {
             let k = (l.depth - st.outstanding).min(st.backlog.len());
             let ids: Vec<u64> = st.backlog.drain(..k).collect();
-            let wrs: Vec<(u64, SendOp, Sge, RemoteSlice, bool)> = {
+            let mut sges: Vec<Sge> = Vec::with_capacity(ids.len());
+            let wrs: Vec<Posting> = {
                 let mut m = self.wrs.lock();
                 let mut v = Vec::with_capacity(ids.len());
                 for id in ids {
@@ -41,25 +53,33 @@ impl PeerShared {
                         e.batch
                             .lanes
                             .fetch_or(1u64 << (lane % 64), Ordering::AcqRel);
-                        let sge = Sge {
-                            addr: e.wr.laddr,
-                            length: e.wr.len,
-                            lkey: mr.lkey(),
-                        };
+                        let from = sges.len();
+                        let lkey = mr.lkey();
+                        sges.extend(e.wr.local.iter().map(|p| Sge {
+                            addr: p.addr,
+                            length: p.len,
+                            lkey,
+                        }));
                         let remote = RemoteSlice {
                             addr: e.wr.raddr,
                             rkey,
                         };
-                        v.push((id, e.wr.op, sge, remote, false));
+                        v.push(Posting {
+                            id,
+                            op: e.wr.op,
+                            sges: from..sges.len(),
+                            remote,
+                            signaled: false,
+                        });
                     }
                 }
                 // Signal every READ, every `signal_every`-th WR and the last one of the chain;
                 // each signalled WR covers the unsignalled ones before it.
-                let ops: Vec<SendOp> = v.iter().map(|w| w.1).collect();
+                let ops: Vec<SendOp> = v.iter().map(|w| w.op).collect();
                 for (signalled, covers) in signal_plan(&ops, self.signal_every) {
-                    v[signalled].4 = true;
-                    if let Some(e) = m.get_mut(&v[signalled].0) {
-                        e.covers = covers.iter().map(|&j| v[j].0).collect();
+                    v[signalled].signaled = true;
+                    if let Some(e) = m.get_mut(&v[signalled].id) {
+                        e.covers = covers.iter().map(|&j| v[j].id).collect();
                     }
                 }
                 v
@@ -69,12 +89,12 @@ impl PeerShared {
             }
             let reqs: Vec<SendRequest<'_>> = wrs
                 .iter()
-                .map(|(id, op, sge, remote, signaled)| SendRequest {
-                    wr_id: *id,
-                    op: *op,
-                    local: std::slice::from_ref(sge),
-                    remote: *remote,
-                    signaled: *signaled,
+                .map(|w| SendRequest {
+                    wr_id: w.id,
+                    op: w.op,
+                    local: &sges[w.sges.clone()],
+                    remote: w.remote,
+                    signaled: w.signaled,
                 })
                 .collect();
             if let Err(e) = st.qp.post_send(&reqs) {
@@ -90,13 +110,13 @@ impl PeerShared {
                 };
                 {
                     let mut m = self.wrs.lock();
-                    for (id, ..) in &wrs[index..] {
-                        if let Some(x) = m.get_mut(id) {
+                    for w in &wrs[index..] {
+                        if let Some(x) = m.get_mut(&w.id) {
                             x.qp = None;
                             x.covers.clear();
                             x.batch.on_nic.fetch_sub(1, Ordering::AcqRel);
                         }
-                        st.backlog.push_back(*id);
+                        st.backlog.push_back(w.id);
                     }
                 }
                 st.outstanding += index;
@@ -108,8 +128,8 @@ impl PeerShared {
             l.posted.fetch_add(wrs.len() as u64, Ordering::Relaxed);
             if tracing::enabled!(target: WR_TRACE, tracing::Level::TRACE) {
                 let qpn = st.qp.qpn();
-                for (id, ..) in &wrs {
-                    tracing::trace!(target: WR_TRACE, wr = id & 0xffff_ffff, lane, qpn, "posted");
+                for w in &wrs {
+                    tracing::trace!(target: WR_TRACE, wr = w.id & 0xffff_ffff, lane, qpn, "posted");
                 }
             }
         }

@@ -71,6 +71,7 @@
 //!   (named, nearest a PCI device, or all), device pairing;
 //! * `mrs`: a region's memory registrations on every device;
 //! * `signal`: the selective-signalling plan and its completion rules;
+//! * `wr`: a work request's scatter-gather list, and slices gathered into one request;
 //! * `state`: the transport's shared state and a peer's lanes and work requests;
 //! * `lane`: posting, breaking lanes, re-routing, asking to reconnect;
 //! * `completion`: completions (re-posting, failing or finishing batches);
@@ -92,5 +93,6 @@ mod post;
 mod signal;
 mod state;
 mod transport;
+mod wr;
 
 pub(crate) use transport::RdmaTransport;

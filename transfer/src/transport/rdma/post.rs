@@ -9,7 +9,8 @@ use parking_lot::Mutex;
 use kvwire_verbs::SendOp;
 
 use super::mrs::MrSet;
-use super::state::{BatchCtx, RdmaPeer, Wr, WrEntry};
+use super::state::{BatchCtx, RdmaPeer, WrEntry};
+use super::wr::{Piece, Wr};
 use crate::batch::{BatchState, Pending, Posted};
 use crate::error::Error;
 use crate::transport::api::PeerTransport;
@@ -26,7 +27,9 @@ impl PeerTransport for RdmaPeer {
             return Err(Error::PeerDead("peer closed".into()));
         }
         let tr = sh.tr.upgrade().ok_or(Error::Shutdown)?;
-        // Cut into WRs first (typed errors before anything is posted).
+        // Cut into WRs first (typed errors before anything is posted): slices of at most
+        // `slice` bytes, and consecutive slices from one local region into one remote range
+        // gathered into one WR (see `wr`).
         struct Cut {
             wr: Wr,
             region: RegionId,
@@ -34,6 +37,10 @@ impl PeerTransport for RdmaPeer {
         }
         let mut cuts: Vec<Cut> = Vec::new();
         let mut ask: Vec<RegionId> = Vec::new();
+        let (op, max_sge) = match b.dir {
+            Dir::Write => (SendOp::Write, sh.sge_write),
+            Dir::Read => (SendOp::Read, sh.sge_read),
+        };
         {
             let mrs = tr.mrs.read();
             for x in &b.xfers {
@@ -73,21 +80,26 @@ impl PeerTransport for RdmaPeer {
                     let sge = first
                         .sge(lo, n as usize)
                         .map_err(|e| Error::InvalidArgument(e.to_string()))?;
+                    let piece = Piece {
+                        addr: sge.addr,
+                        len: sge.length,
+                    };
+                    let raddr = base + done;
+                    done += n;
+                    if let Some(last) = cuts.last_mut() {
+                        if Arc::ptr_eq(&last.mr, &mr)
+                            && last.region == x.remote.id
+                            && last.wr.rkeys == rkeys
+                            && last.wr.gather(piece, raddr, max_sge, sh.slice)
+                        {
+                            continue;
+                        }
+                    }
                     cuts.push(Cut {
-                        wr: Wr {
-                            op: match b.dir {
-                                Dir::Write => SendOp::Write,
-                                Dir::Read => SendOp::Read,
-                            },
-                            laddr: sge.addr,
-                            len: sge.length,
-                            raddr: base + done,
-                            rkeys: rkeys.clone(),
-                        },
+                        wr: Wr::new(op, piece, raddr, rkeys.clone()),
                         region: x.remote.id,
                         mr: mr.clone(),
                     });
-                    done += n;
                 }
             }
         }

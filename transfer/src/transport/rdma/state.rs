@@ -11,10 +11,11 @@ use std::sync::{Arc, Weak};
 
 use parking_lot::{Mutex, RwLock};
 
-use kvwire_verbs::{ConnectParams, Endpoint, Mtu, Qp, SendOp};
+use kvwire_verbs::{ConnectParams, Endpoint, Mtu, Qp};
 
 use super::devices::{verbs_err, Dev, DevQp, Nic};
 use super::mrs::MrSet;
+use super::wr::Wr;
 use crate::batch::BatchState;
 use crate::ctrl::CtrlWriter;
 use crate::error::Error;
@@ -34,22 +35,12 @@ pub(super) struct Shared {
     pub(super) mrs: RwLock<HashMap<RegionId, Arc<MrSet>>>,
     /// Signal one WR in this many (≥ 1).
     pub(super) signal_every: usize,
+    /// Local pieces one WR may gather at most (≥ 1; the devices may allow fewer).
+    pub(super) max_sge: u32,
 }
 
 /// A lane is re-established at most this many times (then it stays broken).
 const MAX_RECONNECTS: u32 = 64;
-
-/// A slice, independent of the lane (device pair) it ends up on.
-#[derive(Clone)]
-pub(super) struct Wr {
-    pub(super) op: SendOp,
-    /// Local address and length (inside the region of the entry's `MrSet`).
-    pub(super) laddr: u64,
-    pub(super) len: u32,
-    /// Remote address and the region's rkey per remote device (0 = unknown).
-    pub(super) raddr: u64,
-    pub(super) rkeys: Arc<[u32]>,
-}
 
 pub(super) struct LaneState {
     pub(super) qp: Arc<DevQp>,
@@ -131,6 +122,9 @@ pub(super) struct PeerShared {
     pub(super) next_wr: AtomicU32,
     pub(super) next_lane: AtomicU32,
     pub(super) slice: u64,
+    /// Local scatter-gather entries one WRITE and one READ may carry on every lane.
+    pub(super) sge_write: usize,
+    pub(super) sge_read: usize,
     pub(super) ctrl: Arc<CtrlWriter>,
     pub(super) on_dead: OnDead,
     pub(super) closed: AtomicBool,

@@ -13,7 +13,7 @@ use kvwire_verbs::{ConnectParams, DeviceInfo, Verbs, DEFAULT_LIBRARY};
 
 use super::devices::{
     natural_key, nearness_groups, pair_devices, pci_sysfs_path, verbs_err, wanted_devices, DevQp,
-    Nic, QP_DEPTH,
+    Nic, MAX_SGE, QP_DEPTH,
 };
 use super::mrs::{register_device, MrSet};
 use super::nics;
@@ -153,10 +153,15 @@ impl RdmaTransport {
             .unwrap_or(SIGNAL_EVERY as u64)
             .min(u64::from(QP_DEPTH))
             .max(1) as usize;
+        let max_sge = match cfg.rdma_max_sge {
+            None | Some(0) => u64::from(MAX_SGE),
+            Some(n) => n.min(u64::from(MAX_SGE)),
+        } as u32;
         let sh = Arc::new(Shared {
             devs,
             mrs: RwLock::new(HashMap::new()),
             signal_every,
+            max_sge,
         });
         let names: Vec<&str> = sh.devs.iter().map(|d| d.name.as_str()).collect();
         let near_set = cfg
@@ -389,6 +394,9 @@ impl Transport for RdmaTransport {
             .map(|v| v.drain(..).map(Some).collect())
             .collect();
         let mut lanes = Vec::new();
+        // Scatter-gather entries a WR may carry on every lane (WRs are cut before their lane
+        // is chosen, and may move to another lane).
+        let (mut sge_write, mut sge_read) = (self.sh.max_sge, self.sh.max_sge);
         let most = per_pair.iter().copied().max().unwrap_or(0);
         'outer: for i in 0..most {
             for (p, &(l, r)) in pairs.iter().enumerate() {
@@ -413,6 +421,8 @@ impl Transport for RdmaTransport {
                 ))
                 .map_err(verbs_err)?;
                 let depth = qp.caps().max_send_wr.max(1) as usize;
+                sge_write = sge_write.min(qp.caps().max_send_sge.min(dev.sge_write));
+                sge_read = sge_read.min(dev.sge_read);
                 lanes.push(Lane {
                     ldev: l,
                     rdev: r,
@@ -445,6 +455,8 @@ impl Transport for RdmaTransport {
                 next_wr: AtomicU32::new(1),
                 next_lane: AtomicU32::new(0),
                 slice: ctx.cfg.slice_size.min(1 << 30) as u64,
+                sge_write: sge_write.max(1) as usize,
+                sge_read: sge_read.min(sge_write).max(1) as usize,
                 ctrl: ctx.ctrl,
                 on_dead: ctx.on_dead,
                 closed: AtomicBool::new(false),

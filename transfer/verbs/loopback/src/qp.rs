@@ -50,6 +50,7 @@ pub unsafe extern "C" fn ibv_create_qp(
             send_cq: a.send_cq as usize,
             recv_cq: a.recv_cq as usize,
             sig_all: a.sq_sig_all != 0,
+            max_send_sge: a.cap.max_send_sge as usize,
             recvs: VecDeque::new(),
         },
     );

@@ -10,7 +10,7 @@ use kvwire_verbs::sys;
 use crate::state::{
     post_chain, push_wc, state, to_error, wc, wc_opcode, State, Wr, POLLED, POSTED,
 };
-use crate::{MAX_SGE, NOCOPY_ENV};
+use crate::NOCOPY_ENV;
 
 /// Whether requests move no byte (checked all the same): from `KVWIRE_LOOPBACK_NOCOPY` at
 /// load, then [`kvwire_loopback_copy`].
@@ -196,7 +196,7 @@ pub(crate) unsafe extern "C" fn post_send(
                 r.opcode,
                 sys::IBV_WR_RDMA_WRITE | sys::IBV_WR_RDMA_WRITE_WITH_IMM | sys::IBV_WR_RDMA_READ
             )
-            || n > MAX_SGE
+            || n > q.max_send_sge
             || (n > 0 && r.sg_list.is_null())
         {
             return Err(libc::EINVAL);

@@ -31,6 +31,8 @@ pub(crate) struct Qp {
     pub(crate) send_cq: usize,
     pub(crate) recv_cq: usize,
     pub(crate) sig_all: bool,
+    /// Scatter-gather entries a send request may carry (as created: a NIC refuses more).
+    pub(crate) max_send_sge: usize,
     /// Posted receives, by work-request id.
     pub(crate) recvs: VecDeque<u64>,
 }
