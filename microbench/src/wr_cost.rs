@@ -12,6 +12,11 @@
 //! process's. Next to it, the floor: the same chains posted and polled on one queue pair
 //! through the verbs layer alone, no engine. From the per-request costs, the rate one core
 //! sustains, next to what 200 and 400 Gb/s need at that slice size.
+//!
+//! Then KV-shaped batches (`--blocks`): blocks scattered in the initiator's memory and bound
+//! for consecutive bytes at the target (a P cache writing into a run of D's blocks), which
+//! coalescing cannot merge, with one block per work request (`rdma_max_sge` 1) and with the
+//! engine's scatter-gather lists (default): CPU per *block*, both measured in one run.
 
 use std::path::PathBuf;
 use std::process::ExitCode;
@@ -44,6 +49,10 @@ pub struct WrCostArgs {
     /// thread posts them all).
     #[arg(long, default_value_t = 256)]
     wrs: usize,
+    /// KV block sizes for the scatter-gather rows (`--wrs` blocks per batch, 1 MiB slices),
+    /// comma separated; empty: none.
+    #[arg(long, value_delimiter = ',', default_value = "16K,64K", value_parser = parse_size)]
+    blocks: Vec<u64>,
     /// Timed batches per row.
     #[arg(long, default_value_t = 200)]
     rounds: usize,
@@ -64,10 +73,24 @@ fn since(a: Option<Duration>, b: Option<Duration>) -> Option<Duration> {
     Some(b?.saturating_sub(a?))
 }
 
+/// What one row's batches look like.
+struct Shape {
+    /// Bytes per op.
+    unit: u64,
+    slice_size: u64,
+    signal_every: u64,
+    /// Ops scattered in the initiator's memory, consecutive at the target.
+    scattered: bool,
+    max_sge: Option<u64>,
+}
+
 struct Row {
     slice: u64,
     signal_every: u64,
+    /// Ops timed (one work request each in the slice rows).
     wrs: u64,
+    /// Work requests posted per batch.
+    wrs_per_batch: f64,
     post_ns: Option<f64>,
     completion_ns: Option<f64>,
     process_ns: Option<f64>,
@@ -75,18 +98,15 @@ struct Row {
     wall_wr_per_s: f64,
 }
 
-/// One row through the engine: returns its per-request figures.
-fn engine_row(
-    lo: &Loopback,
-    slice: u64,
-    signal_every: u64,
-    a: &WrCostArgs,
-) -> Result<Row, BenchError> {
+/// One row through the engine: returns its per-op figures.
+fn engine_row(lo: &Loopback, sh: &Shape, a: &WrCostArgs) -> Result<Row, BenchError> {
+    let (slice, signal_every) = (sh.unit, sh.signal_every);
     let cfg = EngineConfig {
         transport: TransportKind::Rdma,
         rdma_devices: vec!["loop0".into()],
-        slice_size: slice as usize,
+        slice_size: sh.slice_size as usize,
         rdma_signal_every: Some(signal_every),
+        rdma_max_sge: sh.max_sge,
         wait_spin: Some(Duration::ZERO),
         ..EngineConfig::from_env()
     };
@@ -108,12 +128,15 @@ fn engine_row(
             peer.transport()
         )));
     }
-    // One op per slice, in reverse order so that none coalesce.
-    let ops: Vec<Op> = (0..a.wrs as u64)
+    // One op per slice, in reverse order (coalesced back into one transfer, cut into a work
+    // request per slice); scattered: local slots reversed against the remote ones, so that
+    // nothing coalesces.
+    let n_ops = a.wrs as u64;
+    let ops: Vec<Op> = (0..n_ops)
         .rev()
         .map(|i| Op {
             local: src,
-            local_offset: i * slice,
+            local_offset: if sh.scattered { n_ops - 1 - i } else { i } * slice,
             remote: target.region_id(dst),
             remote_offset: i * slice,
             len: slice,
@@ -124,16 +147,21 @@ fn engine_row(
     let data = kvwire_testkit::pattern::bytes(slice ^ signal_every, 0, len);
     init.local_write(src, 0, &data)
         .map_err(|e| plan(format!("fill: {e}")))?;
-    init.write(&peer, &ops, None, None)
+    let st = init
+        .write(&peer, &ops, None, None)
         .and_then(|b| b.wait())
         .map_err(|e| plan(format!("verified batch: {e}")))?;
     let mut got = vec![0u8; len];
     target
         .local_read(dst, 0, &mut got)
         .map_err(|e| plan(format!("read back: {e}")))?;
-    if got != data {
+    let want = |i: u64| {
+        let at = ops[(n_ops - 1 - i) as usize].local_offset as usize;
+        &data[at..at + slice as usize]
+    };
+    if (0..n_ops).any(|i| &got[(i * slice) as usize..((i + 1) * slice) as usize] != want(i)) {
         return Err(plan(format!(
-            "slice {slice}: the verified batch's bytes differ at the target"
+            "op size {slice}: the verified batch's bytes differ at the target"
         )));
     }
     // Timed batches: checked by the device, no byte moved.
@@ -167,6 +195,7 @@ fn engine_row(
         slice,
         signal_every,
         wrs: n,
+        wrs_per_batch: st.slices as f64,
         post_ns: post_ok.then(|| post.as_nanos() as f64 / n as f64),
         completion_ns: ns_per(since(cq0, cq1), n),
         process_ns: ns_per(since(proc0, proc1), n),
@@ -295,11 +324,31 @@ pub fn run(a: &WrCostArgs) -> Result<ExitCode, BenchError> {
     let mut floors = Vec::new();
     for &slice in &a.slices {
         for &every in &a.signal_every {
-            rows.push(engine_row(&lo, slice, every, a)?);
+            let sh = Shape {
+                unit: slice,
+                slice_size: slice,
+                signal_every: every,
+                scattered: false,
+                max_sge: None,
+            };
+            rows.push(engine_row(&lo, &sh, a)?);
             lo.set_copy(false);
             let fl = floor_row(&path, slice, every, a);
             lo.set_copy(true);
             floors.push(fl?);
+        }
+    }
+    let mut gathered = Vec::new();
+    for &block in &a.blocks {
+        for max_sge in [Some(1), None] {
+            let sh = Shape {
+                unit: block,
+                slice_size: 1 << 20,
+                signal_every: 16,
+                scattered: true,
+                max_sge,
+            };
+            gathered.push((max_sge, engine_row(&lo, &sh, a)?));
         }
     }
     println!(
@@ -356,10 +405,76 @@ pub fn run(a: &WrCostArgs) -> Result<ExitCode, BenchError> {
          post + completion; process: every thread of this process (target side and waits \
          included); floor: the same chains posted and polled through the verbs layer alone."
     );
+    let gjs = print_gathered(&gathered, a);
     if let Some(p) = &a.json {
-        let doc = json!({"bench": "wr-cost", "library": path.display().to_string(), "rows": js});
+        let doc = json!({
+            "bench": "wr-cost",
+            "library": path.display().to_string(),
+            "rows": js,
+            "gather_rows": gjs,
+        });
         std::fs::write(p, serde_json::to_vec_pretty(&doc).unwrap_or_default())
             .map_err(|e| plan(format!("{}: {e}", p.display())))?;
     }
     Ok(ExitCode::SUCCESS)
+}
+
+/// The scatter-gather rows (pairs: one block per work request, then gathered), as a table and
+/// as JSON.
+fn print_gathered(rows: &[(Option<u64>, Row)], a: &WrCostArgs) -> Vec<serde_json::Value> {
+    if rows.is_empty() {
+        return Vec::new();
+    }
+    println!();
+    println!(
+        "## KV blocks scattered locally, consecutive at the target ({} per batch, 1 MiB slices, \
+         signal 1 in 16): CPU per block",
+        a.wrs
+    );
+    println!();
+    println!(
+        "| block | pieces per WR | WRs per batch | post ns/block | completion ns/block | \
+         engine ns/block | blocks/s per core | engine vs 1 piece per WR |"
+    );
+    println!("|---|---|---|---|---|---|---|---|");
+    let engine = |r: &Row| match (r.post_ns, r.completion_ns) {
+        (Some(p), Some(c)) => Some(p + c),
+        _ => None,
+    };
+    let mut js = Vec::new();
+    let mut single: Option<f64> = None;
+    for (max_sge, r) in rows {
+        let e = engine(r);
+        if *max_sge == Some(1) {
+            single = e;
+        }
+        let ratio = match (max_sge, e, single) {
+            (None, Some(x), Some(y)) if y > 0.0 => Some(x / y),
+            _ => None,
+        };
+        let pieces = max_sge.map_or("default (16)".to_string(), |n| n.to_string());
+        println!(
+            "| {} | {pieces} | {:.0} | {} | {} | {} | {} | {} |",
+            kvwire_bench::plan::fmt_size(r.slice),
+            r.wrs_per_batch,
+            fmt(r.post_ns),
+            fmt(r.completion_ns),
+            fmt(e),
+            e.map_or("-".into(), |x| format!("{:.0}k", 1e6 / x)),
+            ratio.map_or("-".into(), |x| format!("{x:.2}")),
+        );
+        js.push(json!({
+            "block": r.slice,
+            "max_sge": max_sge,
+            "blocks": r.wrs,
+            "wrs_per_batch": r.wrs_per_batch,
+            "post_ns_per_block": r.post_ns,
+            "completion_ns_per_block": r.completion_ns,
+            "engine_ns_per_block": e,
+            "process_ns_per_block": r.process_ns,
+            "completions_per_block": r.completions_per_wr,
+            "engine_vs_single": ratio,
+        }));
+    }
+    js
 }

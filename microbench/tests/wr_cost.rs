@@ -1,7 +1,8 @@
 //! `kvwire-bench wr-cost` on the loopback device: every row present with its figures, the
 //! verified batch passed (the command fails otherwise), and the completion counts follow the
 //! signalling interval (every work request completes when each is signalled; fewer when one in
-//! 16 is).
+//! 16 is); the scatter-gather rows post one work request per block without gathering and one
+//! per 16 blocks with it.
 
 use std::process::Command;
 
@@ -12,7 +13,7 @@ fn wr_cost_reports_every_row_and_completions_follow_the_signalling() {
     let json = dir.join("wr.json");
     let out = Command::new(env!("CARGO_BIN_EXE_kvwire-bench"))
         .args([
-            "wr-cost", "--rounds", "3", "--wrs", "64", "--slices", "4K,64K",
+            "wr-cost", "--rounds", "3", "--wrs", "64", "--slices", "4K,64K", "--blocks", "16K",
         ])
         .args(["--signal-every", "1,16", "--json"])
         .arg(&json)
@@ -47,5 +48,36 @@ fn wr_cost_reports_every_row_and_completions_follow_the_signalling() {
             other => panic!("unexpected signal_every {other:?}"),
         }
     }
+    let gathered = doc["gather_rows"].as_array().expect("gather_rows");
+    assert_eq!(
+        gathered.len(),
+        2,
+        "one block size, without and with gathering"
+    );
+    assert_eq!(gathered[0]["max_sge"], 1, "{}", gathered[0]);
+    assert_eq!(
+        gathered[0]["wrs_per_batch"], 64.0,
+        "one WR per block: {}",
+        gathered[0]
+    );
+    assert!(gathered[1]["max_sge"].is_null(), "{}", gathered[1]);
+    assert_eq!(
+        gathered[1]["wrs_per_batch"], 4.0,
+        "16 blocks per WR: {}",
+        gathered[1]
+    );
+    for r in gathered {
+        assert_eq!(r["blocks"], 3 * 64, "{r}");
+        assert!(
+            r["engine_ns_per_block"].as_f64().is_some_and(|x| x > 0.0),
+            "{r}"
+        );
+    }
+    assert!(
+        gathered[1]["engine_vs_single"].as_f64().is_some(),
+        "{}",
+        gathered[1]
+    );
+    assert!(stdout.contains("| block | pieces per WR |"), "{stdout}");
     let _ = std::fs::remove_dir_all(&dir);
 }
