@@ -31,10 +31,15 @@
 //!   interleaved over the pairs (lane 0 on pair 0, lane 1 on pair 1, …) so that round-robin
 //!   striping alternates devices. Unclaimed QPs expire. Both sides connect their QPs whenever
 //!   both offered RDMA, whatever each chose for its own direction (the other may write into us).
-//! * **Posting**: each coalesced transfer is cut into slices of at most `cfg.slice_size`,
-//!   striped round-robin over the healthy lanes (of every device pair) whose remote device key
-//!   is known; each lane posts its WRs as one chain, at most the QP's send depth outstanding
-//!   (the rest waits in the lane's backlog, posted by the completion thread as slots free).
+//! * **Posting**: each coalesced transfer is cut into slices of at most `cfg.slice_size`;
+//!   consecutive slices from one local region bound for consecutive remote bytes are gathered
+//!   into one work request with a scatter-gather list (`wr`: at most
+//!   [`crate::EngineConfig::rdma_max_sge`] pieces, default 16, and `slice_size` bytes), so KV
+//!   blocks scattered in P's cache and bound for a run of D's blocks cost one WR per 16, not
+//!   one each. Work requests are striped round-robin over the healthy lanes (of every device
+//!   pair) whose remote device key is known; each lane posts its WRs as one chain, at most the
+//!   QP's send depth outstanding (the rest waits in the lane's backlog, posted by the
+//!   completion thread as slots free).
 //!   Every READ, one WRITE in [`crate::EngineConfig::rdma_signal_every`] (default 16) and the
 //!   last WR of every chain are signalled (`signal_plan`); a signalled WR's *successful*
 //!   completion also completes the unsignalled WRs before it on its QP (RC completes in order;
