@@ -1,5 +1,6 @@
 //! Liveness of remote engines and the memory of recently ended requests, shared by both sides.
 
+use crate::msg::Message;
 use crate::types::{IdMap, Nanos, PeerId, RequestId, MS};
 use std::collections::{BTreeMap, BTreeSet, VecDeque};
 
@@ -28,6 +29,33 @@ pub(crate) struct Peers {
 }
 
 impl Peers {
+    /// The next heartbeat of this engine (`incarnation`: its life).
+    fn heartbeat(&mut self, incarnation: u64) -> Message {
+        self.hb_seq += 1;
+        Message::Heartbeat {
+            incarnation,
+            seq: self.hb_seq,
+        }
+    }
+
+    /// Registers `peer` if new. A new peer first hears who we are, before anything else, so
+    /// that a restart is visible before any request message of the new life: the heartbeat to
+    /// send it is returned.
+    pub(crate) fn first_contact(
+        &mut self,
+        peer: PeerId,
+        now: Nanos,
+        incarnation: u64,
+    ) -> Option<Message> {
+        self.ensure(peer, now).then(|| self.heartbeat(incarnation))
+    }
+
+    /// One heartbeat to every known peer (they share a sequence number).
+    pub(crate) fn heartbeats(&mut self, incarnation: u64) -> Vec<(PeerId, Message)> {
+        let msg = self.heartbeat(incarnation);
+        self.map.keys().map(|p| (*p, msg.clone())).collect()
+    }
+
     /// Registers `peer` if new; returns true when it was new.
     pub(crate) fn ensure(&mut self, peer: PeerId, now: Nanos) -> bool {
         if self.map.contains_key(&peer) {

@@ -40,6 +40,17 @@ impl<K: Ord + Copy> Deadlines<K> {
         }
     }
 
+    /// Every deadline due at `now`, taken out. Only what is due on entry: a deadline re-armed
+    /// at or before `now` while these are handled (a clock at the end of its range) waits for
+    /// the next call instead of spinning there.
+    pub(crate) fn take_due(&mut self, now: Nanos) -> Vec<K> {
+        let mut due = Vec::new();
+        while let Some((_, k)) = self.pop_due(now) {
+            due.push(k);
+        }
+        due
+    }
+
     /// Entries in the heap, stale ones included.
     pub(crate) fn len(&self) -> usize {
         self.heap.len()

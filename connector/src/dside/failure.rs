@@ -1,0 +1,145 @@
+//! Failure paths: a request failed, its blocks drained or released, a P down.
+
+use super::*;
+
+impl DSide {
+    /// Fails `req`. `notify`: tell P with an `Abort` (false when P told us, or P is gone).
+    pub(super) fn fail(&mut self, req: RequestId, reason: FailReason, notify: bool, now: Nanos) {
+        let Some(r) = self.reqs.get_mut(&req) else {
+            return;
+        };
+        let peer = r.peer;
+        let state = r.state;
+        let blocks_sent = r.blocks_sent;
+        let peer_up = self.peers.is_up(peer);
+        match state {
+            DState::Early => self.drop_early(req, now, false),
+            DState::Draining | DState::Promoted => {}
+            DState::Waiting | DState::Landed | DState::Complete | DState::Reported => {
+                r.fail = Some(reason);
+                if notify && peer_up && state == DState::Waiting {
+                    self.send(peer, Message::Abort { req, reason });
+                }
+                self.release_failed(req, now);
+            }
+            DState::Reserved => {
+                r.fail = Some(reason);
+                let p_may_write = blocks_sent
+                    && peer_up
+                    && !matches!(reason, FailReason::RemoteAbort | FailReason::PeerDown);
+                if p_may_write {
+                    // P has our block ids and may have writes in flight: keep the blocks until
+                    // P confirms with its Abort, P dies, or the drain deadline passes.
+                    r.state = DState::Draining;
+                    r.drain_since = now;
+                    r.abort_sent = now;
+                    self.send(peer, Message::Abort { req, reason });
+                    self.arm(req, now);
+                } else {
+                    if notify && peer_up {
+                        self.send(peer, Message::Abort { req, reason });
+                    }
+                    self.release_failed(req, now);
+                }
+            }
+        }
+    }
+
+    /// Releases a failed request's blocks (if any), reports it failed and ends it.
+    pub(super) fn release_failed(&mut self, req: RequestId, now: Nanos) {
+        let Some(r) = self.reqs.get_mut(&req) else {
+            return;
+        };
+        let reason = r.fail.unwrap_or(FailReason::LocalAbort);
+        let mut blocks = std::mem::take(&mut r.blocks);
+        if r.landing {
+            r.landing = false;
+            let slots = std::mem::take(&mut blocks);
+            self.actions
+                .push_back(DAction::ReleaseLanding { req, slots });
+        }
+        r.rec.outcome = Outcome::Failed;
+        r.rec.fail_reason = Some(reason);
+        self.metrics.failed[reason_index(reason)] += 1;
+        if !blocks.is_empty() {
+            r.rec.d_released = Some(now);
+            self.metrics.releases += 1;
+            self.metrics.released_blocks += blocks.len() as u64;
+            self.metrics.block_ns_waiting += held_ns(blocks.len(), r.rec.d_reserved, now);
+            tracing::debug!(
+                target: "kvwire_connector",
+                req = req.0,
+                peer = r.peer.0,
+                blocks = blocks.len(),
+                reason = crate::metrics::fail_reason_name(reason),
+                "d released blocks"
+            );
+            self.actions.push_back(DAction::ReleaseBlocks {
+                req,
+                blocks: blocks.clone(),
+            });
+        }
+        self.actions.push_back(DAction::ReportFailed {
+            req,
+            blocks,
+            reason,
+        });
+        self.stats.failed += 1;
+        self.end(req, now);
+    }
+
+    /// Forgets a request known only from P's messages. `peer_aborted`: P gave it up, so a
+    /// later arrival fails at once.
+    pub(super) fn drop_early(&mut self, req: RequestId, now: Nanos, peer_aborted: bool) {
+        if self.reqs.remove(&req).is_some() {
+            self.early -= 1;
+            self.tombs.bury(
+                req,
+                now.saturating_add(self.cfg.tombstone_ttl),
+                peer_aborted,
+            );
+        }
+    }
+
+    pub(super) fn end(&mut self, req: RequestId, now: Nanos) {
+        if let Some(r) = self.reqs.remove(&req) {
+            self.peers.detach(r.peer, req);
+            self.tombs
+                .bury(req, now.saturating_add(self.cfg.tombstone_ttl), false);
+            self.timeline.push_back(r.rec);
+        }
+    }
+
+    pub(super) fn peer_down(
+        &mut self,
+        peer: PeerId,
+        reason: FailReason,
+        cause: DownCause,
+        now: Nanos,
+    ) {
+        if let Some(reqs) = self.peers.down(peer) {
+            self.actions
+                .push_back(DAction::DisconnectPeer { peer, cause });
+            for req in reqs {
+                self.fail_for_peer(req, reason, now);
+            }
+        }
+    }
+
+    /// Fails a request because its P is gone: nothing more can land, so a draining
+    /// reservation is released at once.
+    ///
+    /// A restart is different: the connection is up and the message that revealed the new
+    /// incarnation may have been overtaken by requests of the new life (a lost heartbeat), so a
+    /// request whose block ids went out still drains through an `Abort` round trip (the new
+    /// life confirms unknown requests at once).
+    pub(super) fn fail_for_peer(&mut self, req: RequestId, reason: FailReason, now: Nanos) {
+        match (self.reqs.get(&req).map(|r| r.state), reason) {
+            (Some(DState::Draining), FailReason::PeerDown) => self.release_failed(req, now),
+            (Some(DState::Draining), _) => {}
+            (Some(_), FailReason::PeerRestarted) => self.fail(req, reason, true, now),
+            (Some(_), _) => self.fail(req, reason, false, now),
+            (None, _) => {}
+        }
+    }
+}

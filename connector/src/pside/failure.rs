@@ -1,0 +1,108 @@
+//! Failure paths: a request failed, its transfers settled or drained, a D down.
+
+use super::*;
+
+impl PSide {
+    /// Fails `req`; `notify`: send D an `Abort` once nothing is in flight.
+    pub(super) fn fail(&mut self, req: RequestId, reason: FailReason, notify: bool, now: Nanos) {
+        let Some(r) = self.reqs.get_mut(&req) else {
+            return;
+        };
+        match r.state {
+            PState::Early => {
+                let peer = r.peer;
+                self.drop_early(req, now, false);
+                if notify {
+                    self.ack_abort(peer, req);
+                }
+            }
+            PState::Draining => {}
+            PState::Active => {
+                r.fail = Some(reason);
+                r.rec.outcome = Outcome::Failed;
+                r.rec.fail_reason = Some(reason);
+                if !notify {
+                    // The peer is gone: no Abort to send.
+                    r.silent = true;
+                }
+                if r.inflight > 0 {
+                    r.state = PState::Draining;
+                    r.drain_since = now;
+                    self.actions.push_back(PAction::CancelTransfers { req });
+                    self.arm(req);
+                } else {
+                    self.finish_fail(req, now);
+                }
+            }
+        }
+    }
+
+    /// Releases P's blocks of a failed request, tells D (if it should) and ends it.
+    pub(super) fn finish_fail(&mut self, req: RequestId, now: Nanos) {
+        let Some(r) = self.reqs.get_mut(&req) else {
+            return;
+        };
+        let reason = r.fail.unwrap_or(FailReason::LocalAbort);
+        let blocks = r.src.to_vec();
+        let peer = r.peer;
+        let notify = !r.silent;
+        self.metrics.failed[reason_index(reason)] += 1;
+        self.metrics.releases += 1;
+        self.metrics.released_blocks += blocks.len() as u64;
+        tracing::debug!(
+            target: "kvwire_connector",
+            req = req.0,
+            peer = peer.0,
+            blocks = blocks.len(),
+            reason = fail_reason_name(reason),
+            "p released blocks"
+        );
+        self.actions
+            .push_back(PAction::ReleaseBlocks { req, blocks });
+        self.actions
+            .push_back(PAction::ReportFailed { req, reason });
+        if notify && self.peers.is_up(peer) {
+            self.send(peer, Message::Abort { req, reason });
+        }
+        self.stats.failed += 1;
+        self.end(req, now);
+    }
+
+    /// Forgets a request known only from D's messages. `peer_aborted`: D gave it up, so a
+    /// later `Scheduled` fails at once.
+    pub(super) fn drop_early(&mut self, req: RequestId, now: Nanos, peer_aborted: bool) {
+        if self.reqs.remove(&req).is_some() {
+            self.early -= 1;
+            self.tombs.bury(
+                req,
+                now.saturating_add(self.cfg.tombstone_ttl),
+                peer_aborted,
+            );
+        }
+    }
+
+    pub(super) fn end(&mut self, req: RequestId, now: Nanos) {
+        if let Some(r) = self.reqs.remove(&req) {
+            self.peers.detach(r.peer, req);
+            self.tombs
+                .bury(req, now.saturating_add(self.cfg.tombstone_ttl), false);
+            self.timeline.push_back(r.rec);
+        }
+    }
+
+    pub(super) fn peer_down(
+        &mut self,
+        peer: PeerId,
+        reason: FailReason,
+        cause: DownCause,
+        now: Nanos,
+    ) {
+        if let Some(reqs) = self.peers.down(peer) {
+            self.actions
+                .push_back(PAction::DisconnectPeer { peer, cause });
+            for req in reqs {
+                self.fail(req, reason, false, now);
+            }
+        }
+    }
+}

@@ -1,0 +1,101 @@
+//! D's messages: destinations, aborts and heartbeats.
+
+use super::*;
+
+impl PSide {
+    pub(super) fn on_message(&mut self, from: PeerId, msg: Message, now: Nanos) {
+        self.touch_peer(from, now);
+        if let Message::Heartbeat { incarnation, .. } = msg {
+            if let Heard::Restarted(lost) = self.peers.heard(from, Some(incarnation), now) {
+                for req in lost {
+                    self.fail(req, FailReason::PeerRestarted, false, now);
+                }
+            }
+            return;
+        }
+        let _ = self.peers.heard(from, None, now);
+        let Some(req) = msg.request() else {
+            return;
+        };
+        if let Some(r) = self.reqs.get(&req) {
+            if r.peer != from {
+                self.stats.unexpected_messages += 1;
+                return;
+            }
+        }
+        match msg {
+            Message::BlockIds {
+                blocks,
+                first,
+                landing,
+                ..
+            } => {
+                let dst = Dst {
+                    first,
+                    landing,
+                    blocks: blocks.into(),
+                };
+                if self.tombs.contains(req) {
+                    self.stats.late += 1;
+                    return;
+                }
+                match self.reqs.get(&req).map(|r| r.state) {
+                    Some(PState::Active) => self.set_destination(req, dst, now),
+                    Some(PState::Draining) => self.stats.late += 1,
+                    Some(PState::Early) | None => {
+                        if let Some(r) = self.early_entry(req, from, now) {
+                            if r.dst.is_some() {
+                                self.stats.duplicate_messages += 1;
+                            } else {
+                                r.dst = Some(dst);
+                            }
+                        }
+                    }
+                }
+            }
+            Message::Announce { .. } => {
+                if self.tombs.contains(req) {
+                    self.stats.late += 1;
+                    return;
+                }
+                if !self.reqs.contains_key(&req) {
+                    let _ = self.early_entry(req, from, now);
+                }
+            }
+            Message::Abort { .. } => match self.reqs.get(&req).map(|r| r.state) {
+                Some(PState::Active) => self.fail(req, FailReason::RemoteAbort, true, now),
+                Some(PState::Draining) => {}
+                Some(PState::Early) => {
+                    self.drop_early(req, now, true);
+                    self.ack_abort(from, req);
+                }
+                // Nothing of ours can be in flight: confirm so D can release at once.
+                None => {
+                    if !self.tombs.contains(req) {
+                        self.tombs
+                            .bury(req, now.saturating_add(self.cfg.tombstone_ttl), true);
+                    }
+                    self.ack_abort(from, req);
+                }
+            },
+            Message::Started { .. }
+            | Message::Queued { .. }
+            | Message::PrefillDone { .. }
+            | Message::LayerSent { .. }
+            | Message::AllSent { .. }
+            | Message::Heartbeat { .. } => self.stats.unexpected_messages += 1,
+        }
+    }
+
+    pub(super) fn ack_abort(&mut self, to: PeerId, req: RequestId) {
+        if self.peers.is_up(to) {
+            self.send(
+                to,
+                Message::Abort {
+                    req,
+                    reason: FailReason::RemoteAbort,
+                },
+            );
+        }
+    }
+}
