@@ -153,8 +153,9 @@ def main():
     ap.add_argument("--mem", default="0.3", help="--gpu-memory-utilization of each instance")
     ap.add_argument("--ready-timeout", type=int, default=900)
     ap.add_argument("--shim-dir", default="")
-    ap.add_argument("--staging", choices=["auto", "always", "never"], default="auto",
-                    help="kvwire's staging option on P and D (auto: CUDA KV caches go through pinned host memory)")
+    ap.add_argument("--staging", choices=["auto", "always", "never", "device"], default="auto",
+                    help="kvwire's staging option on P and D (auto: CUDA KV caches go through pinned host memory; "
+                         "device: registered where they are, moved by cuda_ipc)")
     ap.add_argument("--staging-mb", default="256", help="kvwire's staging_mb on P and D (P's pool size)")
     ap.add_argument("--kv-blocks", type=int, default=2048,
                     help="--num-gpu-blocks-override of every instance (D's staging mirrors the whole KV cache in "

@@ -19,7 +19,8 @@
 #   kvwire   (default) KvwireConnector via kv_connector_module_path "kvwire.vllm"
 #            (P send_mode layerwise, D policy lazy; ROLES=both runs both as kv_both). The KV
 #            caches are on the GPU: both workers stage them through pinned host memory
-#            (kvwire.vllm.staging; STAGING=auto|always|never, STAGING_MB = P's pool in MiB, e.g.
+#            (kvwire.vllm.staging; STAGING=auto|always|never|device, the last with no host
+#            memory: the caches registered as device regions, P to D by cuda_ipc; STAGING_MB = P's pool in MiB, e.g.
 #            0.0625 so that the longer prompts' layers are split and queued). Every instance gets
 #            --num-gpu-blocks-override KV_BLOCKS (2048), as D mirrors its whole KV cache in pinned
 #            host memory;

@@ -6,8 +6,10 @@ is reported), with synchronous copies instead of stream copies. Unit tests of
 the pool and of the staged sends and landings over real kvwire engines, then the whole path in
 vLLM's real v1 Scheduler (the harness), every byte of D's cache checked against P's."""
 
+import json
 import os
 import sys
+import time
 
 import pytest
 
@@ -822,7 +824,8 @@ def test_device_cache_without_staging_is_refused(mdir):
     from vllm_harness import kv_cache_config, vllm_config
 
     kv = {n: torch.zeros(2, 64, 16, 2, 8, device="meta") for n in LAYERS}
-    for mode, err in [("never", "needs staging"), ("auto", "needs staging"), ("always", "cuda and cpu")]:
+    for mode, err in [("never", "needs staging"), ("auto", "needs staging"), ("always", "cuda and cpu"),
+                      ("device", "staging device takes cuda and cpu")]:
         vc = vllm_config("kv_consumer", {"staging": mode}, mdir)
         w = KVConnectorFactory.create_connector(vc, KVConnectorRole.WORKER, kv_cache_config(64))
         try:
@@ -830,3 +833,119 @@ def test_device_cache_without_staging_is_refused(mdir):
                 w.register_kv_caches(kv)
         finally:
             w.shutdown()
+
+
+# ---- staging: device (caches registered where they are) ---------------------------------------
+
+
+def worker(side):
+    return side.worker._worker
+
+
+class Counting:
+    """An engine whose writes are counted (every other call goes to the engine)."""
+
+    def __init__(self, engine):
+        self.engine, self.writes = engine, 0
+
+    def write(self, peer, ops, **kw):
+        self.writes += 1
+        return self.engine.write(peer, ops, **kw)
+
+    def __getattr__(self, name):
+        return getattr(self.engine, name)
+
+
+@pytest.mark.parametrize("send_mode", ["whole", "layerwise"])
+@pytest.mark.parametrize("policy", ["lazy", "land"])
+def test_device_mode_registers_the_caches_themselves(pair, policy, send_mode):
+    """``staging: device`` on CPU caches: no stager on either side, the caches themselves (and
+    D's landing pool, for ``land``) registered and written, every byte checked in D's cache."""
+    d, p = pair({"policy": policy, "staging": "device"}, {"send_mode": send_mode, "staging": "device"})
+    for s in (d, p):
+        assert stager(s) is None and worker(s).marks is None  # CPU caches: no CUDA events
+    assert bool(worker(d).landing) == (policy == "land")
+    dreq = d_request("v1", p)
+    d.sched.add_request(dreq)
+    d.step()
+    p.sched.add_request(p_request("v1", d))
+    assert run_until(lambda: dreq.status == RequestStatus.RUNNING, lambda: p.step(p_fill), d.step)
+    blocks = d.sched.kv_cache_manager.get_block_ids("d/v1")[0]
+    assert len(blocks) == 3 and holds(d.kv, "v1", blocks)
+    assert run_until(lambda: not p.sched.requests and not d.sched.requests, lambda: p.step(p_fill), d.step)
+    assert_no_leak(d)
+    assert_no_leak(p)
+
+
+def test_device_writes_wait_for_the_layer_compute(pair, monkeypatch):
+    """The CUDA branch of ``staging: device`` against a stand-in torch.cuda whose events complete
+    only when the test says so: P records an event on the compute stream after each layer and
+    posts no write before it completed (the forward itself never waits for it); once the test
+    completes the events, the worker's thread posts the writes and D receives every byte. D's
+    landing copy out of a GPU pool is waited for before the slots go back."""
+    fake = StandInCuda()
+    done = {"now": False}
+    real_query = fake.Event.query
+    monkeypatch.setattr(fake.Event, "query", lambda ev: real_query(ev) and done["now"])
+    monkeypatch.setattr(staging, "cuda", fake)
+    d, p = pair({"policy": "eager", "staging": "device"}, {"send_mode": "layerwise", "staging": "device"})
+    w = worker(p)
+    w.marks = staging.DeviceCopies(torch.device("cuda", 0))
+    w.engine = Counting(w.engine)
+    dreq = d_request("v2", p)
+    d.sched.add_request(dreq)
+    d.step()
+    preq = p_request("v2", d)
+    p.sched.add_request(preq)
+    # P's prefill runs to its end (both layers computed, D's block ids known) with the events
+    # pending: nothing is written, D's request waits.
+    assert run_until(lambda: any(s.prefill_done and s.dst is not None and all(s.inflight) for s in w.sends.values()),
+                     lambda: p.step(p_fill), d.step)
+    computed = [e for e in fake.log if e[0] == "record" and e[1] == "compute"]
+    assert len(computed) >= len(LAYERS)
+    p.step(p_fill)
+    d.step()
+    assert w.engine.writes == 0 and dreq.status == RequestStatus.WAITING_FOR_REMOTE_KVS
+    assert not any(s.first_write for s in w.sends.values())  # its first byte is not on the wire yet
+    blocks = d.sched.kv_cache_manager.get_block_ids("d/v2")[0]
+    assert empty(d.kv, blocks)
+    released = time.monotonic_ns()
+    done["now"] = True  # the layers' kernels completed
+    assert run_until(lambda: dreq.status == RequestStatus.RUNNING, lambda: p.step(p_fill), d.step)
+    assert w.engine.writes == len(LAYERS) and holds(d.kv, "v2", blocks)
+    assert run_until(lambda: not p.sched.requests and not d.sched.requests, lambda: p.step(p_fill), d.step)
+    assert_no_leak(d)
+    assert_no_leak(p)
+    # The first byte went out after the events completed (one process: one monotonic clock).
+    (rec,) = [json.loads(r) for r in timeline(d)]
+    assert rec["first_byte"] >= released, rec
+    # D with a landing pool: the copy out of the pool is waited for (an event on the compute
+    # stream, synchronized) before the slots can be written again.
+    wd = worker(d)
+    wd.marks = staging.DeviceCopies(torch.device("cuda", 0))
+    wd.landing = {n: torch.zeros(2, 4, *d.kv[n].shape[2:]) for n in LAYERS}
+    fake.log.clear()
+    wd._copy_landing([1], [5])
+    assert [e[0] for e in fake.log] == ["record", "sync"] and fake.log[0][1] == "compute"
+
+
+def test_device_write_of_a_failed_request_is_never_posted(pair, monkeypatch):
+    """A write waiting for its layer's event when the request fails (here: cancelled) is dropped,
+    never posted after the failure."""
+    fake = StandInCuda()
+    monkeypatch.setattr(fake.Event, "query", lambda ev: False)
+    monkeypatch.setattr(staging, "cuda", fake)
+    d, p = pair({"policy": "eager", "staging": "device"}, {"send_mode": "layerwise", "staging": "device"})
+    w = worker(p)
+    w.marks = staging.DeviceCopies(torch.device("cuda", 0))
+    w.engine = Counting(w.engine)
+    d.sched.add_request(d_request("v3", p))
+    d.step()
+    p.sched.add_request(p_request("v3", d))
+    assert run_until(lambda: any(s.dst is not None and any(s.inflight) for s in w.sends.values()),
+                     lambda: p.step(p_fill), d.step)
+    (key, s), = w.sends.items()
+    with w.lock:
+        w._on_work({"op": "cancel", "key": key}, s.sched)
+        w._reap()
+    assert s.failed and not any(s.inflight) and w.engine.writes == 0

@@ -15,13 +15,16 @@ see :data:`TIMEOUTS`):
   RDMA transport then opens only the NICs nearest it in the PCI tree (``auto``, the default:
   the worker's CUDA device when it has one, else every active NIC; ``""``: every active NIC).
   Named NICs (``KVWIRE_RDMA_DEVICE``) win over it.
-* ``land_pool_blocks``: slots of D's landing pool, per layer, in host memory (default 1024
+* ``land_pool_blocks``: slots of D's landing pool, per layer, in host memory (GPU memory with
+  ``staging: device`` and a CUDA cache) (default 1024
   with policy ``land``, else 0; set it to let requests override the policy to ``land``).
 * ``timeline_path``: a directory; each engine and role writes its timeline there as JSON lines
   (bounded buffer, rotated by size: ``timeline_max_mb``, default 64; ``timeline_files``,
   default 4).
-* ``stats_interval``, ``staging``, ``staging_mb``, ``d_landing`` (``pool``, the default, or
-  ``mirror``: where a staged D lands P's writes): see :mod:`kvwire.vllm.staging`.
+* ``stats_interval``, ``staging`` (``auto``, ``always``, ``never``, or ``device``: CUDA caches
+  registered as device regions, reached by ``cuda_ipc`` on one host and by RDMA with GPUDirect
+  across hosts), ``staging_mb``, ``d_landing`` (``pool``, the default, or ``mirror``: where a
+  staged D lands P's writes): see :mod:`kvwire.vllm.staging`.
 * ``bootstrap_port`` (P, MooncakeConnector compatibility): the port of the HTTP bootstrap
   endpoint that a router written for MooncakeConnector queries (``GET /query``); default
   ``$VLLM_MOONCAKE_BOOTSTRAP_PORT`` or 8998; ``0`` turns it off.

@@ -29,6 +29,11 @@ CUDA therefore moves every byte through host memory registered with its data eng
   meanwhile keeps its blocks until the copy into them is over.
   **The mirror costs host memory equal to the KV cache** (pinned when the cache is on CUDA).
 
+``staging: device`` takes none of this: the caches are registered as device regions where they
+are (``cuda_ipc`` reaches them on one host, RDMA with GPUDirect across hosts; tcp and shm refuse
+them), P's writes wait for an event recorded after the layer's compute (see
+:mod:`kvwire.vllm.worker`), and D's landing pool, when it has one, is GPU memory.
+
 Without CUDA (``staging: always`` over CPU caches, how the CPU tests exercise this path) the same
 code runs with synchronous copies and no events. The CUDA-specific lines are all in
 :class:`DeviceCopies`.
@@ -54,7 +59,10 @@ cuda = torch.cuda
 #: Chunks of the staging pool start at multiples of this many bytes (any element size divides it).
 ALIGN = 256
 
-MODES = ("auto", "always", "never")
+#: ``staging`` values: ``auto`` stages CUDA caches, ``always`` every cache, ``never`` none (a CUDA
+#: cache is refused); ``device`` stages none and registers CUDA caches as device regions, which
+#: the ``cuda_ipc`` transport (same host) and RDMA with GPUDirect (across hosts) reach.
+MODES = ("auto", "always", "never", "device")
 
 
 def parse_options(extra: dict) -> tuple[str, int]:
@@ -74,7 +82,8 @@ def parse_options(extra: dict) -> tuple[str, int]:
 
 
 def wanted(mode: str, devices) -> bool:
-    """Whether a worker whose KV caches are on ``devices`` (torch device types) stages."""
+    """Whether a worker whose KV caches are on ``devices`` (torch device types) stages
+    (``device`` never does: the caches are registered where they are)."""
     return mode == "always" or (mode == "auto" and "cuda" in set(devices))
 
 

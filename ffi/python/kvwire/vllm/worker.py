@@ -25,7 +25,11 @@ staged D with ``d_landing: pool`` offers the pool only (pinned when the cache is
 A ``fence`` names P data engines whose connections to this one are closed before blocks they
 may have written are reused.
 
-GPU KV caches go through host staging (:mod:`kvwire.vllm.staging`).
+GPU KV caches go through host staging (:mod:`kvwire.vllm.staging`), or, with ``staging:
+device``, are registered as device regions where they are: P's writes then go device to device
+(``cuda_ipc`` on one host, RDMA with GPUDirect across hosts), each posted only once an event
+recorded after the layer's compute has completed (checked from the background thread, so the
+forward never waits); D's landing pool, when it has one, is GPU memory too.
 """
 
 from __future__ import annotations
@@ -123,8 +127,18 @@ class _Send:
     nbytes: list = field(default_factory=list)  # per layer: bytes written
     reported: set = field(default_factory=set)  # layers reported LAYER_SENT
     failed: bool = False
-    events: dict = field(default_factory=dict)  # staging: layer -> compute event
+    events: dict = field(default_factory=dict)  # staging or device: layer -> compute event
     first_write: bool = False
+
+
+@dataclass
+class _After:
+    """A write from device memory that waits for the layer's compute (``staging: device``):
+    posted by :meth:`WorkerSide._reap` once ``event`` completed."""
+
+    event: Any
+    peer: Any
+    ops: list
 
 
 class WorkerSide:
@@ -163,6 +177,9 @@ class WorkerSide:
         self.stats_at = None
         self.staging_mode, self.staging_bytes = _staging.parse_options(c._extra)
         self.stager = None
+        # staging: device, caches on CUDA: records the compute events that P's writes, and the
+        # reuse of D's landing slots, wait for
+        self.marks = None
         self.layout = None
         self.block_bytes = None
         self._stop = False
@@ -182,8 +199,16 @@ class WorkerSide:
             # D with a bounded landing pool registers no mirror: the pool below takes the writes
             self.stager = _staging.Staging(self.engine, dev, self.staging_bytes, self.c._is_producer,
                                            self.c._is_consumer and self.c._d_pool is None)
+        direct = self.staging_mode == "device"
+        if kv_caches and direct:
+            dev = next(iter(kv_caches.values())).device
+            if dev.type == "cuda":
+                self.marks = _staging.DeviceCopies(dev)
         for name, t in kv_caches.items():
-            if self.stager is None and str(t.device) != "cpu":
+            if direct and t.device.type not in ("cpu", "cuda"):
+                raise kvwire.UnsupportedError(f"KV cache {name} is on {t.device}: staging device takes cuda and cpu "
+                                              f"caches")
+            if self.stager is None and str(t.device) != "cpu" and not direct:
                 raise kvwire.UnsupportedError(
                     f"KV cache {name} is on {t.device}: kvwire's transports move host memory only; a CUDA cache "
                     f"needs staging through pinned host memory (kv_connector_extra_config staging: auto or "
@@ -200,7 +225,7 @@ class WorkerSide:
             if self.stager is not None:  # offered in its place: the landing mirror (D), or nothing
                 self.regions[name] = self.stager.add_layer(name, t, halves, n, block_bytes)
             else:
-                self.regions[name] = kvwire.register_tensor(self.engine, t, "rw")
+                self.regions[name] = kvwire.register_tensor(self.engine, t, "rw", ipc=direct)
             self.shape[name] = (halves, n, block_bytes)
             self.caches[name] = t
             self.layers.append(name)
@@ -213,9 +238,12 @@ class WorkerSide:
                 t = self.caches[name]
                 halves, n, bb = self.shape[name]
                 shape = (2, pool) + tuple(t.shape[2:]) if halves == 2 else (pool,) + tuple(t.shape[1:])
-                lt = self.stager.dev.host(shape, t.dtype) if pinned else torch.zeros(shape, dtype=t.dtype)
+                if pinned:
+                    lt = self.stager.dev.host(shape, t.dtype)
+                else:  # host memory, or where the cache is (staging: device)
+                    lt = torch.zeros(shape, dtype=t.dtype, device=t.device if direct else "cpu")
                 self.landing[name] = lt
-                kvwire.register_tensor(self.engine, lt, "rw", pinned=pinned)
+                kvwire.register_tensor(self.engine, lt, "rw", pinned=pinned, ipc=direct)
 
     def handshake(self):
         addr = self.engine.listen_addr
@@ -275,8 +303,9 @@ class WorkerSide:
             if s is None:
                 continue
             s.ready[layer] = -(-prompt // bs) if last else hi // bs
-            if self.stager is not None:
-                s.events[layer] = self.stager.dev.mark()
+            marks = self.stager.dev if self.stager is not None else self.marks
+            if marks is not None:
+                s.events[layer] = marks.mark()
             if last:
                 s.complete.add(layer)
                 self._report(s, env.LAYER_READY, layer, True, 0, now)
@@ -348,6 +377,7 @@ class WorkerSide:
             idx = layer + (len(remote) - L if s.dst["landing"] else 0)
             r = remote[idx]
             rn = r.len // (halves * bb)
+            posted = True
             if self.stager is not None:
                 done = []
                 self.stager.send(peer, name, src, dst, r, rn, (s.key, layer, hi), after=s.events.get(layer))
@@ -357,14 +387,23 @@ class WorkerSide:
                 for sb, db in zip(src, dst):
                     for h in range(halves):
                         ops.append((self.regions[name], (h * n + sb) * bb, r, (h * rn + db) * bb, bb))
-                s.inflight[layer].append((self.engine.write(peer, ops), hi, len(ops) * bb))
+                ev = s.events.get(layer) if self.marks is not None else None
+                if ev is not None and not self.marks.done(ev):  # the layer is still being computed
+                    s.inflight[layer].append((_After(ev, peer, ops), hi, len(ops) * bb))
+                    posted = False
+                else:
+                    s.inflight[layer].append((self.engine.write(peer, ops), hi, len(ops) * bb))
             s.sent[layer] = hi
-            if not s.first_write:
-                s.first_write = True
-                self._report(s, env.FIRST_BYTE, layer, True, 0, time.monotonic_ns())
+            if posted:
+                self._first_write(s, layer)
         except kvwire.KvwireError as e:
             logger.warning("kvwire: transfer of layer %d of request %x failed: %s", layer, s.key, e)
             self._fail(s)
+
+    def _first_write(self, s: _Send, layer: int) -> None:
+        if not s.first_write:
+            s.first_write = True
+            self._report(s, env.FIRST_BYTE, layer, True, 0, time.monotonic_ns())
 
     def _new_send(self, key: int, sched: str) -> _Send:
         L = len(self.layers)
@@ -399,6 +438,15 @@ class WorkerSide:
                         ok, nbytes = res
                     else:
                         try:
+                            if isinstance(b, _After):
+                                if s.failed:  # failed or cancelled before it went out: it never does
+                                    continue
+                                if not self.marks.done(b.event):
+                                    keep.append(item)
+                                    continue
+                                b = self.engine.write(b.peer, b.ops)
+                                item = (b, hi, nb)
+                                self._first_write(s, layer)
                             st = b.poll()
                         except kvwire.KvwireError as e:
                             logger.warning("kvwire: write of layer %d of request %x failed: %s", layer, key, e)
@@ -493,6 +541,11 @@ class WorkerSide:
                 cache[:, b] = pool[:, s].to(cache.device)
             else:
                 cache[b] = pool[s].to(cache.device)
+        if self.marks is not None:
+            # A pool on the GPU (staging: device): the copies above are queued on the compute
+            # stream; the slots go back to the scheduler with this request's report, and P may
+            # write into them again only once the copies have read them.
+            self.marks.done(self.marks.mark(), block=True)
 
     def _fence(self, addrs: list) -> None:
         """Closes this engine's connections from the P data engines at ``addrs`` and refuses
