@@ -53,6 +53,9 @@ def test_runs():
 def test_options():
     assert staging.parse_options({}) == ("auto", 256 << 20)
     assert staging.parse_options({"staging": "always", "staging_mb": "0.5"}) == ("always", 1 << 19)
+    assert staging.parse_options({"transport": "cuda_ipc"})[0] == "device"
+    assert staging.parse_options({"transport": "cuda_ipc", "staging": "always"})[0] == "always"
+    assert staging.parse_options({"transport": "shm"})[0] == "auto"
     for bad in [{"staging": "yes"}, {"staging_mb": 0}, {"staging_mb": "x"}, {"staging_mb": float("nan")},
                 {"staging_mb": -1}]:
         with pytest.raises(kvwire.InvalidArgumentError):

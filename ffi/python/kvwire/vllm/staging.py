@@ -67,10 +67,13 @@ MODES = ("auto", "always", "never", "device")
 
 def parse_options(extra: dict) -> tuple[str, int]:
     """``(mode, pool bytes)`` from ``kv_connector_extra_config`` (``staging``, ``staging_mb``);
-    raises ``kvwire.InvalidArgumentError`` on a bad value."""
+    raises ``kvwire.InvalidArgumentError`` on a bad value. ``auto`` with transport ``cuda_ipc``
+    is ``device``: that transport reaches the caches where they are."""
     mode = extra.get("staging", "auto")
     if mode not in MODES:
         raise kvwire.InvalidArgumentError(f"staging must be one of {', '.join(MODES)}, got {mode!r}")
+    if mode == "auto" and extra.get("transport") == "cuda_ipc":
+        mode = "device"
     raw = extra.get("staging_mb", 256)
     try:
         mb = float(raw)
