@@ -354,6 +354,9 @@ class StandInCuda:
     def cudart(self):
         return self._cudart
 
+    def set_device(self, device):
+        self.log.append(("set_device", str(device)))
+
     def current_stream(self, device=None):
         return self.current or self.compute
 
@@ -919,9 +922,9 @@ def test_device_writes_wait_for_the_layer_compute(pair, monkeypatch):
     assert run_until(lambda: not p.sched.requests and not d.sched.requests, lambda: p.step(p_fill), d.step)
     assert_no_leak(d)
     assert_no_leak(p)
-    # The first byte went out after the events completed (one process: one monotonic clock).
-    (rec,) = [json.loads(r) for r in timeline(d)]
-    assert rec["first_byte"] >= released, rec
+    # P's first write went out after the events completed (one process: one monotonic clock).
+    (rec,) = [json.loads(r) for r in timeline(p)]
+    assert rec["p_first_write"] >= released, rec
     # D with a landing pool: the copy out of the pool is waited for (an event on the compute
     # stream, synchronized) before the slots can be written again.
     wd = worker(d)
@@ -952,3 +955,61 @@ def test_device_write_of_a_failed_request_is_never_posted(pair, monkeypatch):
         w._on_work({"op": "cancel", "key": key}, s.sched)
         w._reap()
     assert s.failed and not any(s.inflight) and w.engine.writes == 0
+    monkeypatch.setattr(fake.Event, "query", lambda ev: True)  # the layers complete after the cancel
+    with w.lock:
+        w._reap()
+    assert w.engine.writes == 0
+
+
+def test_device_mode_registers_cuda_caches_as_device_regions(mdir, monkeypatch):
+    """``staging: device`` with caches that say they are on CUDA (CPU tensors standing in, with
+    torch.cuda and the registration recorded): every cache and D's landing pool registered as
+    device regions (``ipc``), the pool allocated on the caches' device, the compute events taken
+    on it and the worker's thread bound to it; caches on two devices are refused."""
+    from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
+    from vllm_harness import kv_cache_config, vllm_config
+
+    class OnCuda(torch.Tensor):
+        @property
+        def device(self):
+            return torch.device("cuda", 1)
+
+    fake = StandInCuda()
+    monkeypatch.setattr(staging, "cuda", fake)
+    registered, zeros = [], []
+    real_zeros = torch.zeros
+
+    def register(engine, t, access="rw", pinned=False, ipc=False):
+        registered.append((str(t.device), ipc, pinned))
+        return real_register(engine, t.as_subclass(torch.Tensor), access)
+
+    def zeros_on(*shape, device=None, **kw):
+        zeros.append(str(device))
+        t = real_zeros(*shape, **kw)
+        return t.as_subclass(OnCuda) if str(device).startswith("cuda") else t
+
+    real_register = kvwire.register_tensor
+    kv = {n: real_zeros(2, 64, 16, 2, 8).as_subclass(OnCuda) for n in LAYERS}
+    vc = vllm_config("kv_consumer", {"staging": "device", "policy": "land", "land_pool_blocks": 4}, mdir)
+    w = KVConnectorFactory.create_connector(vc, KVConnectorRole.WORKER, kv_cache_config(64))
+    try:
+        with monkeypatch.context() as m:
+            m.setattr(kvwire, "register_tensor", register)
+            m.setattr(torch, "zeros", zeros_on)
+            w.register_kv_caches(kv)
+        ws = w._worker
+        assert ws.stager is None and ws.marks is not None and str(ws.marks.device) == "cuda:1"
+        assert registered == [("cuda:1", True, False)] * (2 * len(LAYERS)), registered
+        assert zeros == ["cuda:1"] * len(LAYERS)
+        assert wait_for(lambda: ("set_device", "cuda:1") in fake.log)
+    finally:
+        w.shutdown()
+    kv2 = dict(kv)
+    kv2[LAYERS[0]] = real_zeros(2, 64, 16, 2, 8)
+    w = KVConnectorFactory.create_connector(vc, KVConnectorRole.WORKER, kv_cache_config(64))
+    try:
+        with pytest.raises(kvwire.InvalidArgumentError, match="one device"):
+            w.register_kv_caches(kv2)
+    finally:
+        w.shutdown()

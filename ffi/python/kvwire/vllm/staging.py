@@ -205,6 +205,12 @@ class DeviceCopies:
                 cuda.cudart().cudaHostUnregister(ptr)
         self.pinned = []
 
+    def bind_thread(self):
+        """Makes the caches' device the current one of the calling thread (a thread that only
+        queries events would otherwise create a context on device 0)."""
+        if self.cuda:
+            cuda.set_device(self.device)
+
     def mark(self):
         """An event after everything enqueued so far on the current (compute) stream."""
         if not self.cuda:

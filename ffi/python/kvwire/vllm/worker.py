@@ -201,13 +201,17 @@ class WorkerSide:
                                            self.c._is_consumer and self.c._d_pool is None)
         direct = self.staging_mode == "device"
         if kv_caches and direct:
-            dev = next(iter(kv_caches.values())).device
+            devs = {t.device for t in kv_caches.values()}
+            bad = [d for d in devs if d.type not in ("cpu", "cuda")]
+            if bad:
+                raise kvwire.UnsupportedError(f"KV cache on {bad[0]}: staging device takes cuda and cpu caches")
+            if len(devs) > 1:
+                raise kvwire.InvalidArgumentError(f"KV caches on {sorted(map(str, devs))}: staging device takes the "
+                                                  f"caches of one device")
+            dev = devs.pop()
             if dev.type == "cuda":
                 self.marks = _staging.DeviceCopies(dev)
         for name, t in kv_caches.items():
-            if direct and t.device.type not in ("cpu", "cuda"):
-                raise kvwire.UnsupportedError(f"KV cache {name} is on {t.device}: staging device takes cuda and cpu "
-                                              f"caches")
             if self.stager is None and str(t.device) != "cpu" and not direct:
                 raise kvwire.UnsupportedError(
                     f"KV cache {name} is on {t.device}: kvwire's transports move host memory only; a CUDA cache "
@@ -244,6 +248,11 @@ class WorkerSide:
                     lt = torch.zeros(shape, dtype=t.dtype, device=t.device if direct else "cpu")
                 self.landing[name] = lt
                 kvwire.register_tensor(self.engine, lt, "rw", pinned=pinned, ipc=direct)
+            if self.marks is not None:
+                gb = sum(t.numel() * t.element_size() for t in self.landing.values()) / 1e9
+                logger.warning("kvwire: D's landing pool takes %.2f GB of %s beside the KV cache (%d slots per layer, "
+                               "land_pool_blocks); vLLM's gpu_memory_utilization does not count it", gb,
+                               self.marks.device, pool)
 
     def handshake(self):
         addr = self.engine.listen_addr
@@ -484,7 +493,12 @@ class WorkerSide:
 
     # ---- background: destinations from the scheduler, reaping ----
     def _background(self) -> None:
+        bound = False
         while not self._stop:
+            if not bound and self.marks is not None:
+                # Event queries from this thread: on the caches' GPU, not a new context on GPU 0
+                self.marks.bind_thread()
+                bound = True
             msgs, _ = self.control.recv(0.005)
             with self.lock:
                 for e in msgs:
