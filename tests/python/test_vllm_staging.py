@@ -915,8 +915,13 @@ def test_device_writes_wait_for_the_layer_compute(pair, monkeypatch):
     assert not any(s.first_write for s in w.sends.values())  # its first byte is not on the wire yet
     blocks = d.sched.kv_cache_manager.get_block_ids("d/v2")[0]
     assert empty(d.kv, blocks)
+    # The worker's thread stops: the forward's own hooks must post the writes now.
+    w._stop = True
+    w._bg.join()
     released = time.monotonic_ns()
     done["now"] = True  # the layers' kernels completed
+    p.step(p_fill)
+    assert w.engine.writes == len(LAYERS)
     assert run_until(lambda: dreq.status == RequestStatus.RUNNING, lambda: p.step(p_fill), d.step)
     assert w.engine.writes == len(LAYERS) and holds(d.kv, "v2", blocks)
     assert run_until(lambda: not p.sched.requests and not d.sched.requests, lambda: p.step(p_fill), d.step)

@@ -28,8 +28,8 @@ may have written are reused.
 GPU KV caches go through host staging (:mod:`kvwire.vllm.staging`), or, with ``staging:
 device``, are registered as device regions where they are: P's writes then go device to device
 (``cuda_ipc`` on one host, RDMA with GPUDirect across hosts), each posted only once an event
-recorded after the layer's compute has completed (checked from the background thread, so the
-forward never waits); D's landing pool, when it has one, is GPU memory too.
+recorded after the layer's compute has completed (checked, never waited for, as later layers are
+computed and from the worker's thread); D's landing pool, when it has one, is GPU memory too.
 """
 
 from __future__ import annotations
@@ -306,6 +306,7 @@ class WorkerSide:
     def _layer_done(self, layer: int, now: int) -> None:
         """Layer ``layer`` of this step's forward is computed (worker lock held)."""
         self.step_layers.add(layer)
+        self._post_ready()
         bs = self.c._block_size
         for (req, key, lo, hi, prompt, blocks, mode, last) in self.step_chunks:
             s = self.sends.get(key)
@@ -427,8 +428,33 @@ class WorkerSide:
                 s.reported.add(layer)
                 self._report(s, env.LAYER_SENT, layer, False, 0, now)
 
+    def _post_ready(self) -> None:
+        """Posts the deferred writes (``staging: device``) whose layer's compute completed; drops
+        those of failed requests, which never go out (lock held). Called from the forward's hooks
+        (a layer's write goes out as a later layer is computed) and from the worker's thread."""
+        if self.marks is None:
+            return
+        for key, s in self.sends.items():
+            for layer, fl in enumerate(s.inflight):
+                for i, (b, hi, nb) in enumerate(fl):
+                    if not isinstance(b, _After) or (not s.failed and not self.marks.done(b.event)):
+                        continue
+                    if s.failed:  # failed or cancelled before it went out
+                        fl[i] = None
+                        continue
+                    try:
+                        fl[i] = (self.engine.write(b.peer, b.ops), hi, nb)
+                    except kvwire.KvwireError as e:
+                        logger.warning("kvwire: write of layer %d of request %x failed: %s", layer, key, e)
+                        fl[i] = None
+                        self._fail(s)
+                        continue
+                    self._first_write(s, layer)
+                fl[:] = [x for x in fl if x is not None]
+
     def _reap(self) -> None:
         """Settles finished writes; reports layers whose last piece is written (lock held)."""
+        self._post_ready()
         staged = {}
         if self.stager is not None:
             for (key, layer, hi), ok, nbytes in self.stager.reap(False):
@@ -446,16 +472,10 @@ class WorkerSide:
                             continue
                         ok, nbytes = res
                     else:
+                        if isinstance(b, _After):  # its layer is still being computed
+                            keep.append(item)
+                            continue
                         try:
-                            if isinstance(b, _After):
-                                if s.failed:  # failed or cancelled before it went out: it never does
-                                    continue
-                                if not self.marks.done(b.event):
-                                    keep.append(item)
-                                    continue
-                                b = self.engine.write(b.peer, b.ops)
-                                item = (b, hi, nb)
-                                self._first_write(s, layer)
                             st = b.poll()
                         except kvwire.KvwireError as e:
                             logger.warning("kvwire: write of layer %d of request %x failed: %s", layer, key, e)
