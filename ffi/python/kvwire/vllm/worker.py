@@ -167,6 +167,7 @@ class WorkerSide:
         self.peers: dict[str, Any] = {}
         self.lock = threading.RLock()
         self.sends: dict[int, _Send] = {}
+        self.deferred: dict[int, _Send] = {}  # staging: device: the sends with writes waiting (_After)
         self.step_chunks: list = []
         self.step_layers: set = set()
         self.sched = ""
@@ -400,6 +401,7 @@ class WorkerSide:
                 ev = s.events.get(layer) if self.marks is not None else None
                 if ev is not None and not self.marks.done(ev):  # the layer is still being computed
                     s.inflight[layer].append((_After(ev, peer, ops), hi, len(ops) * bb))
+                    self.deferred[s.key] = s
                     posted = False
                 else:
                     s.inflight[layer].append((self.engine.write(peer, ops), hi, len(ops) * bb))
@@ -432,9 +434,7 @@ class WorkerSide:
         """Posts the deferred writes (``staging: device``) whose layer's compute completed; drops
         those of failed requests, which never go out (lock held). Called from the forward's hooks
         (a layer's write goes out as a later layer is computed) and from the worker's thread."""
-        if self.marks is None:
-            return
-        for key, s in self.sends.items():
+        for key, s in list(self.deferred.items()):
             for layer, fl in enumerate(s.inflight):
                 for i, (b, hi, nb) in enumerate(fl):
                     if not isinstance(b, _After) or (not s.failed and not self.marks.done(b.event)):
@@ -451,6 +451,8 @@ class WorkerSide:
                         continue
                     self._first_write(s, layer)
                 fl[:] = [x for x in fl if x is not None]
+            if not any(isinstance(x[0], _After) for fl in s.inflight for x in fl):
+                del self.deferred[key]
 
     def _reap(self) -> None:
         """Settles finished writes; reports layers whose last piece is written (lock held)."""
