@@ -10,11 +10,9 @@ import json
 import os
 import sys
 
-import torch
-
 import kvwire
-from vllm_harness import (LAYERS, RequestStatus, assert_no_leak, d_request, kv_pattern, model_dir, open_pair,
-                          p_fill, p_request, run_until)
+from vllm_harness import (RequestStatus, assert_no_leak, d_request, holds, model_dir, open_pair, p_fill, p_request,
+                          run_until)
 
 
 def threads() -> collections.Counter:
@@ -40,9 +38,7 @@ def main() -> int:
         p.sched.add_request(p_request("r1", d))
         ran = run_until(lambda: dreq.status == RequestStatus.RUNNING, lambda: p.step(p_fill), d.step)
         blocks = d.sched.kv_cache_manager.get_block_ids("d/r1")[0] if ran else []
-        held = ran and all(torch.equal(d.kv[name][:, b], kv_pattern("r1", li, i))
-                           for li, name in enumerate(LAYERS) for i, b in enumerate(blocks))
-        out = {"ran": ran, "blocks": len(blocks), "bytes_ok": bool(held),
+        out = {"ran": ran, "blocks": len(blocks), "bytes_ok": ran and holds(d.kv, "r1", blocks),
                "transports": sorted(peer.transport for peer in p.worker._worker.peers.values()),
                "contexts": kvwire.rdma_contexts_open(), "threads": dict(threads())}
         run_until(lambda: dreq.is_finished() and not p.sched.requests, lambda: p.step(p_fill), d.step)

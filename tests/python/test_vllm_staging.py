@@ -6,10 +6,8 @@ is reported), with synchronous copies instead of stream copies. Unit tests of
 the pool and of the staged sends and landings over real kvwire engines, then the whole path in
 vLLM's real v1 Scheduler (the harness), every byte of D's cache checked against P's."""
 
-import json
 import os
 import sys
-import time
 
 import pytest
 
@@ -18,6 +16,7 @@ torch = pytest.importorskip("torch", reason="torch not installed in this venv (r
 import kvwire  # noqa: E402
 from kvwire.vllm import staging  # noqa: E402
 from kvwire.vllm.staging import ALIGN, PoolAllocator, Staging, runs  # noqa: E402
+from cuda_standin import StandInCuda  # noqa: E402
 
 
 
@@ -303,78 +302,6 @@ def test_landing_copies_mirror_to_device_before_reporting(engines):
     assert st.landed() == ({"x"}, {2}) and torch.equal(dev, want)
 
 
-class StandInCuda:
-    """Stands in for ``torch.cuda`` (``staging.cuda``) and logs what the CUDA branch of
-    DeviceCopies asks of it; the copies themselves run on CPU tensors (non_blocking is a no-op)."""
-
-    def __init__(self):
-        log = []
-        self.log, self.current = log, None
-
-        class Stream:
-            def __init__(self, device=None, name="side"):
-                self.name = name
-
-            def wait_event(self, ev):
-                log.append(("wait", self.name, ev.name))
-
-            def synchronize(self):
-                log.append(("sync", self.name))
-
-        class Event:
-            made = 0
-
-            def __init__(self):
-                Event.made += 1
-                self.name, self.stream = f"e{Event.made}", None
-
-            def record(self, stream):
-                self.stream = stream.name
-                log.append(("record", stream.name, self.name))
-
-            def query(self):
-                log.append(("query", self.name))
-                return self.stream is not None
-
-            def synchronize(self):
-                log.append(("sync", self.name))
-
-        class Cudart:
-            def cudaHostRegister(self, ptr, nbytes, flags):
-                log.append(("pin", ptr, nbytes, flags))
-                return 0
-
-            def cudaHostUnregister(self, ptr):
-                log.append(("unpin", ptr))
-                return 0
-
-        self.Stream, self.Event, self._cudart = Stream, Event, Cudart()
-        self.compute = Stream(name="compute")
-
-    def cudart(self):
-        return self._cudart
-
-    def set_device(self, device):
-        self.log.append(("set_device", str(device)))
-
-    def current_stream(self, device=None):
-        return self.current or self.compute
-
-    def stream(self, s):
-        cuda = self
-
-        class Ctx:
-            def __enter__(self):
-                self.prev, cuda.current = cuda.current, s
-                cuda.log.append(("enter", s.name))
-
-            def __exit__(self, *exc):
-                cuda.current = self.prev
-                cuda.log.append(("exit", s.name))
-
-        return Ctx()
-
-
 def test_cuda_branch_orders_copies_after_the_compute_stream(engines, monkeypatch):
     """The CUDA branch against a stand-in torch.cuda: a send records an event on the current
     (compute) stream; the gather runs on the side stream after waiting for it, then records the
@@ -413,37 +340,13 @@ def test_cuda_branch_orders_copies_after_the_compute_stream(engines, monkeypatch
 
 vllm = pytest.importorskip("vllm", reason="vLLM not installed in this venv (run tests/python/setup.sh)")
 
-from vllm_harness import (  # noqa: E402
-    LAYERS, open_pair, MAX_STEPS, PEER_TIMEOUT, RequestStatus, Side, assert_no_leak, d_request,
-    kv_pattern, model_dir, p_fill, p_request, run_until, timeline, wait_for)
-
-
-@pytest.fixture(scope="module")
-def mdir():
-    return model_dir()
-
-
-@pytest.fixture
-def pair(mdir):
-    sides = []
-    yield lambda d_extra=None, p_extra=None, roles=("kv_consumer", "kv_producer"), **kw: open_pair(
-        sides, mdir, d_extra, p_extra, roles, d_kw=kw)
-    for s in sides:
-        s.close()
+from vllm_harness import (  # noqa: E402,F401 (mdir and pair: fixtures)
+    LAYERS, MAX_STEPS, PEER_TIMEOUT, RequestStatus, Side, assert_no_leak, d_request, empty, holds,
+    kv_pattern, mdir, p_fill, p_request, pair, run_until, timeline, wait_for)
 
 
 def stager(side):
     return side.worker._worker.stager
-
-
-def holds(t, rid, block_ids):
-    """Whether ``t`` (a layer dict: the cache or the mirrors) holds P's bytes of ``rid``."""
-    return all(torch.equal(t[name][:, b], kv_pattern(rid, li, i))
-               for li, name in enumerate(LAYERS) for i, b in enumerate(block_ids))
-
-
-def empty(t, block_ids):
-    return not any(t[name][:, b].any() for name in LAYERS for b in block_ids)
 
 
 def watch_landing(d, rid):
@@ -839,184 +742,3 @@ def test_device_cache_without_staging_is_refused(mdir):
                 w.register_kv_caches(kv)
         finally:
             w.shutdown()
-
-
-# ---- staging: device (caches registered where they are) ---------------------------------------
-
-
-def worker(side):
-    return side.worker._worker
-
-
-class Counting:
-    """An engine whose writes are counted (every other call goes to the engine)."""
-
-    def __init__(self, engine):
-        self.engine, self.writes = engine, 0
-
-    def write(self, peer, ops, **kw):
-        self.writes += 1
-        return self.engine.write(peer, ops, **kw)
-
-    def __getattr__(self, name):
-        return getattr(self.engine, name)
-
-
-@pytest.mark.parametrize("send_mode", ["whole", "layerwise"])
-@pytest.mark.parametrize("policy", ["lazy", "land"])
-def test_device_mode_registers_the_caches_themselves(pair, policy, send_mode):
-    """``staging: device`` on CPU caches: no stager on either side, the caches themselves (and
-    D's landing pool, for ``land``) registered and written, every byte checked in D's cache."""
-    d, p = pair({"policy": policy, "staging": "device"}, {"send_mode": send_mode, "staging": "device"})
-    for s in (d, p):
-        assert stager(s) is None and worker(s).marks is None  # CPU caches: no CUDA events
-    assert bool(worker(d).landing) == (policy == "land")
-    dreq = d_request("v1", p)
-    d.sched.add_request(dreq)
-    d.step()
-    p.sched.add_request(p_request("v1", d))
-    assert run_until(lambda: dreq.status == RequestStatus.RUNNING, lambda: p.step(p_fill), d.step)
-    blocks = d.sched.kv_cache_manager.get_block_ids("d/v1")[0]
-    assert len(blocks) == 3 and holds(d.kv, "v1", blocks)
-    assert run_until(lambda: not p.sched.requests and not d.sched.requests, lambda: p.step(p_fill), d.step)
-    assert_no_leak(d)
-    assert_no_leak(p)
-
-
-def test_device_writes_wait_for_the_layer_compute(pair, monkeypatch):
-    """The CUDA branch of ``staging: device`` against a stand-in torch.cuda whose events complete
-    only when the test says so: P records an event on the compute stream after each layer and
-    posts no write before it completed (the forward itself never waits for it); once the test
-    completes the events, the worker's thread posts the writes and D receives every byte. D's
-    landing copy out of a GPU pool is waited for before the slots go back."""
-    fake = StandInCuda()
-    done = {"now": False}
-    real_query = fake.Event.query
-    monkeypatch.setattr(fake.Event, "query", lambda ev: real_query(ev) and done["now"])
-    monkeypatch.setattr(staging, "cuda", fake)
-    d, p = pair({"policy": "eager", "staging": "device"}, {"send_mode": "layerwise", "staging": "device"})
-    w = worker(p)
-    w.marks = staging.DeviceCopies(torch.device("cuda", 0))
-    w.engine = Counting(w.engine)
-    dreq = d_request("v2", p)
-    d.sched.add_request(dreq)
-    d.step()
-    preq = p_request("v2", d)
-    p.sched.add_request(preq)
-    # P's prefill runs to its end (both layers computed, D's block ids known) with the events
-    # pending: nothing is written, D's request waits.
-    assert run_until(lambda: any(s.prefill_done and s.dst is not None and all(s.inflight) for s in w.sends.values()),
-                     lambda: p.step(p_fill), d.step)
-    computed = [e for e in fake.log if e[0] == "record" and e[1] == "compute"]
-    assert len(computed) >= len(LAYERS)
-    p.step(p_fill)
-    d.step()
-    assert w.engine.writes == 0 and dreq.status == RequestStatus.WAITING_FOR_REMOTE_KVS
-    assert not any(s.first_write for s in w.sends.values())  # its first byte is not on the wire yet
-    blocks = d.sched.kv_cache_manager.get_block_ids("d/v2")[0]
-    assert empty(d.kv, blocks)
-    # The worker's thread stops: the forward's own hooks must post the writes now.
-    w._stop = True
-    w._bg.join()
-    released = time.monotonic_ns()
-    done["now"] = True  # the layers' kernels completed
-    p.step(p_fill)
-    assert w.engine.writes == len(LAYERS)
-    assert run_until(lambda: dreq.status == RequestStatus.RUNNING, lambda: p.step(p_fill), d.step)
-    assert w.engine.writes == len(LAYERS) and holds(d.kv, "v2", blocks)
-    assert run_until(lambda: not p.sched.requests and not d.sched.requests, lambda: p.step(p_fill), d.step)
-    assert_no_leak(d)
-    assert_no_leak(p)
-    # P's first write went out after the events completed (one process: one monotonic clock).
-    (rec,) = [json.loads(r) for r in timeline(p)]
-    assert rec["p_first_write"] >= released, rec
-    # D with a landing pool: the copy out of the pool is waited for (an event on the compute
-    # stream, synchronized) before the slots can be written again.
-    wd = worker(d)
-    wd.marks = staging.DeviceCopies(torch.device("cuda", 0))
-    wd.landing = {n: torch.zeros(2, 4, *d.kv[n].shape[2:]) for n in LAYERS}
-    fake.log.clear()
-    wd._copy_landing([1], [5])
-    # (D's worker thread binds itself to the device meanwhile: its set_device is not the copy's)
-    log = [e for e in fake.log if e[0] != "set_device"]
-    assert [e[0] for e in log] == ["record", "sync"] and log[0][1] == "compute", fake.log
-
-
-def test_device_write_of_a_failed_request_is_never_posted(pair, monkeypatch):
-    """A write waiting for its layer's event when the request fails (here: cancelled) is dropped,
-    never posted after the failure."""
-    fake = StandInCuda()
-    monkeypatch.setattr(fake.Event, "query", lambda ev: False)
-    monkeypatch.setattr(staging, "cuda", fake)
-    d, p = pair({"policy": "eager", "staging": "device"}, {"send_mode": "layerwise", "staging": "device"})
-    w = worker(p)
-    w.marks = staging.DeviceCopies(torch.device("cuda", 0))
-    w.engine = Counting(w.engine)
-    d.sched.add_request(d_request("v3", p))
-    d.step()
-    p.sched.add_request(p_request("v3", d))
-    assert run_until(lambda: any(s.dst is not None and any(s.inflight) for s in w.sends.values()),
-                     lambda: p.step(p_fill), d.step)
-    (key, s), = w.sends.items()
-    with w.lock:
-        w._on_work({"op": "cancel", "key": key}, s.sched)
-        w._reap()
-    assert s.failed and not any(s.inflight) and w.engine.writes == 0
-    monkeypatch.setattr(fake.Event, "query", lambda ev: True)  # the layers complete after the cancel
-    with w.lock:
-        w._reap()
-    assert w.engine.writes == 0
-
-
-def test_device_mode_registers_cuda_caches_as_device_regions(mdir, monkeypatch):
-    """``staging: device`` with caches that say they are on CUDA (CPU tensors standing in, with
-    torch.cuda and the registration recorded): every cache and D's landing pool registered as
-    device regions (``ipc``), the pool allocated on the caches' device, the compute events taken
-    on it and the worker's thread bound to it; caches on two devices are refused."""
-    from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
-    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
-    from vllm_harness import kv_cache_config, vllm_config
-
-    class OnCuda(torch.Tensor):
-        @property
-        def device(self):
-            return torch.device("cuda", 1)
-
-    fake = StandInCuda()
-    monkeypatch.setattr(staging, "cuda", fake)
-    registered, zeros = [], []
-    real_zeros = torch.zeros
-
-    def register(engine, t, access="rw", pinned=False, ipc=False):
-        registered.append((str(t.device), ipc, pinned))
-        return real_register(engine, t.as_subclass(torch.Tensor), access)
-
-    def zeros_on(*shape, device=None, **kw):
-        zeros.append(str(device))
-        t = real_zeros(*shape, **kw)
-        return t.as_subclass(OnCuda) if str(device).startswith("cuda") else t
-
-    real_register = kvwire.register_tensor
-    kv = {n: real_zeros(2, 64, 16, 2, 8).as_subclass(OnCuda) for n in LAYERS}
-    vc = vllm_config("kv_consumer", {"staging": "device", "policy": "land", "land_pool_blocks": 4}, mdir)
-    w = KVConnectorFactory.create_connector(vc, KVConnectorRole.WORKER, kv_cache_config(64))
-    try:
-        with monkeypatch.context() as m:
-            m.setattr(kvwire, "register_tensor", register)
-            m.setattr(torch, "zeros", zeros_on)
-            w.register_kv_caches(kv)
-        ws = w._worker
-        assert ws.stager is None and ws.marks is not None and str(ws.marks.device) == "cuda:1"
-        assert registered == [("cuda:1", True, False)] * (2 * len(LAYERS)), registered
-        assert zeros == ["cuda:1"] * len(LAYERS)
-        assert wait_for(lambda: ("set_device", "cuda:1") in fake.log)
-    finally:
-        w.shutdown()
-    kv2 = dict(kv)
-    kv2[LAYERS[0]] = real_zeros(2, 64, 16, 2, 8)
-    w = KVConnectorFactory.create_connector(vc, KVConnectorRole.WORKER, kv_cache_config(64))
-    try:
-        with pytest.raises(kvwire.InvalidArgumentError, match="one device"):
-            w.register_kv_caches(kv2)
-    finally:
-        w.shutdown()

@@ -13,6 +13,7 @@ import tempfile
 import time
 from unittest import mock
 
+import pytest
 import torch
 from kvwire.testing.ports import free_port
 from kvwire.testing.wait import wait_for as _wait_for
@@ -331,6 +332,35 @@ def timeline(side, n=1):
     return read()
 
 
+@pytest.fixture(scope="module")
+def mdir():
+    """The stand-in model's directory (a pytest fixture; import it into a test module)."""
+    return model_dir()
+
+
+@pytest.fixture
+def pair(mdir):
+    """``pair(d_extra, p_extra, roles=..., **d_kw)`` -> (D, P), closed after the test (a pytest
+    fixture; import it into a test module)."""
+    sides = []
+    yield lambda d_extra=None, p_extra=None, roles=("kv_consumer", "kv_producer"), **kw: open_pair(
+        sides, mdir, d_extra, p_extra, roles, d_kw=kw)
+    for s in sides:
+        s.close()
+
+
+def holds(t, rid, block_ids):
+    """Whether ``t`` (a layer dict: a cache, or mirrors of one) holds P's bytes of ``rid`` in
+    ``block_ids``, K and V of every layer."""
+    return all(torch.equal(t[name][:, b], kv_pattern(rid, li, i))
+               for li, name in enumerate(LAYERS) for i, b in enumerate(block_ids))
+
+
+def empty(t, block_ids):
+    """Whether no byte of ``block_ids`` is set in ``t`` (a layer dict)."""
+    return not any(t[name][:, b].any() for name in LAYERS for b in block_ids)
+
+
 def assert_no_leak(side):
     assert side.free_blocks() == side.num_blocks - 1, "blocks leaked"
     assert not side.sched.requests, "requests left in the scheduler"
@@ -338,4 +368,5 @@ def assert_no_leak(side):
 
 __all__ = ["Side", "open_pair", "make_request", "kv_pattern", "p_fill", "free_port", "model_dir", "RequestStatus", "LAYERS",
            "MAX_STEPS", "PEER_TIMEOUT", "d_request", "p_request", "run_until", "assert_no_leak", "wait_for",
-           "sched_side", "d_core", "p_core", "p_delayed", "d_delayed", "timeline", "WAIT_S", "introduce"]
+           "sched_side", "d_core", "p_core", "p_delayed", "d_delayed", "timeline", "WAIT_S", "introduce", "holds",
+           "empty", "mdir", "pair"]

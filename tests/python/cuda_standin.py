@@ -1,0 +1,73 @@
+"""A recording stand-in for ``torch.cuda``, shared by the staging and device-mode tests."""
+
+
+class StandInCuda:
+    """Stands in for ``torch.cuda`` (``staging.cuda``) and logs what the CUDA branch of
+    DeviceCopies asks of it; the copies themselves run on CPU tensors (non_blocking is a no-op)."""
+
+    def __init__(self):
+        log = []
+        self.log, self.current = log, None
+
+        class Stream:
+            def __init__(self, device=None, name="side"):
+                self.name = name
+
+            def wait_event(self, ev):
+                log.append(("wait", self.name, ev.name))
+
+            def synchronize(self):
+                log.append(("sync", self.name))
+
+        class Event:
+            made = 0
+
+            def __init__(self):
+                Event.made += 1
+                self.name, self.stream = f"e{Event.made}", None
+
+            def record(self, stream):
+                self.stream = stream.name
+                log.append(("record", stream.name, self.name))
+
+            def query(self):
+                log.append(("query", self.name))
+                return self.stream is not None
+
+            def synchronize(self):
+                log.append(("sync", self.name))
+
+        class Cudart:
+            def cudaHostRegister(self, ptr, nbytes, flags):
+                log.append(("pin", ptr, nbytes, flags))
+                return 0
+
+            def cudaHostUnregister(self, ptr):
+                log.append(("unpin", ptr))
+                return 0
+
+        self.Stream, self.Event, self._cudart = Stream, Event, Cudart()
+        self.compute = Stream(name="compute")
+
+    def cudart(self):
+        return self._cudart
+
+    def set_device(self, device):
+        self.log.append(("set_device", str(device)))
+
+    def current_stream(self, device=None):
+        return self.current or self.compute
+
+    def stream(self, s):
+        cuda = self
+
+        class Ctx:
+            def __enter__(self):
+                self.prev, cuda.current = cuda.current, s
+                cuda.log.append(("enter", s.name))
+
+            def __exit__(self, *exc):
+                cuda.current = self.prev
+                cuda.log.append(("exit", s.name))
+
+        return Ctx()
