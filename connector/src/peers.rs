@@ -203,6 +203,7 @@ impl Tombstones {
 #[derive(Clone, Debug, Default)]
 pub(crate) struct LayerSet {
     words: Vec<u64>,
+    layers: u16,
     count: u16,
 }
 
@@ -210,6 +211,7 @@ impl LayerSet {
     pub(crate) fn new(layers: u16) -> Self {
         LayerSet {
             words: vec![0; usize::from(layers).div_ceil(64)],
+            layers,
             count: 0,
         }
     }
@@ -217,6 +219,9 @@ impl LayerSet {
     /// Inserts `layer`; returns true when it was not there. Out-of-range layers are refused
     /// (false) — callers check the range first.
     pub(crate) fn insert(&mut self, layer: u16) -> bool {
+        if layer >= self.layers {
+            return false;
+        }
         let (w, b) = (usize::from(layer) / 64, layer % 64);
         match self.words.get_mut(w) {
             Some(word) if *word & (1 << b) == 0 => {
@@ -235,5 +240,29 @@ impl LayerSet {
 
     pub(crate) fn count(&self) -> u16 {
         self.count
+    }
+
+    /// The layers in the set, in increasing order.
+    pub(crate) fn iter(&self) -> impl Iterator<Item = u16> + '_ {
+        self.words.iter().enumerate().flat_map(|(w, &word)| {
+            (0..64u16)
+                .filter(move |b| word & (1 << b) != 0)
+                .map(move |b| w as u16 * 64 + b)
+        })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::LayerSet;
+
+    #[test]
+    fn layer_set_iterates_across_words_in_order() {
+        let mut s = LayerSet::new(130);
+        for l in [129, 3, 64, 63, 3, 130] {
+            s.insert(l);
+        }
+        assert_eq!(s.iter().collect::<Vec<_>>(), vec![3, 63, 64, 129]);
+        assert_eq!(s.count(), 4);
     }
 }

@@ -221,6 +221,10 @@ impl DCore {
     fn reserved_blocks(&self, req: u64) -> Vec<u32> {
         self.core.reserved_blocks(RequestId(req)).to_vec()
     }
+    /// Layers of `req` fully landed so far, in increasing order.
+    fn landed_layers(&self, req: u64) -> Vec<u16> {
+        self.core.landed_layers(RequestId(req))
+    }
     /// Requests tracked.
     #[getter]
     fn live_requests(&self) -> usize {

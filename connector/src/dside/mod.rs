@@ -253,6 +253,15 @@ impl DSide {
         self.reqs.get(&req).map_or(&[], |r| r.blocks.as_slice())
     }
 
+    /// Layers of `req` that have fully landed so far, in increasing order (empty if none, or if
+    /// the request is unknown). A host that lands through a pool of its own copies each of them
+    /// into the request's KV blocks as soon as it is listed, not after the last.
+    pub fn landed_layers(&self, req: RequestId) -> Vec<u16> {
+        self.reqs
+            .get(&req)
+            .map_or_else(Vec::new, |r| r.landed.iter().collect())
+    }
+
     /// Next action for the host, if any.
     pub fn poll_action(&mut self) -> Option<DAction> {
         self.actions.pop_front()

@@ -613,3 +613,43 @@ fn stale_reservation_is_handed_back() {
         }]
     );
 }
+
+#[test]
+fn landed_layers_lists_each_layer_as_it_lands() {
+    let mut d = d(Policy::Lazy);
+    assert!(d.landed_layers(RequestId(1)).is_empty());
+    reserved_lazy(&mut d, 1);
+    assert!(d.landed_layers(RequestId(1)).is_empty());
+    // Out of order, and a duplicate: listed once each, in increasing order.
+    for (i, l) in [2u16, 0, 2].into_iter().enumerate() {
+        from_p(
+            &mut d,
+            Message::LayerSent {
+                req: RequestId(1),
+                layer: l,
+                bytes: 1,
+            },
+            10 + i as u64,
+        );
+    }
+    assert_eq!(d.landed_layers(RequestId(1)), vec![0, 2]);
+    assert!(!d_actions(&mut d)
+        .iter()
+        .any(|x| matches!(x, DAction::ReportFinished { .. })));
+    from_p(
+        &mut d,
+        Message::AllSent {
+            req: RequestId(1),
+            layers: LAYERS,
+            bytes: 4,
+        },
+        20,
+    );
+    assert_eq!(
+        d.landed_layers(RequestId(1)),
+        (0..LAYERS).collect::<Vec<_>>()
+    );
+    assert!(d_actions(&mut d)
+        .iter()
+        .any(|x| matches!(x, DAction::ReportFinished { .. })));
+}
