@@ -1,4 +1,5 @@
-"""A recording stand-in for ``torch.cuda``, shared by the staging and device-mode tests."""
+"""A recording stand-in for ``torch.cuda``, and a CPU stand-in for the events of stream copies,
+shared by the staging, landing and device-mode tests."""
 
 
 class StandInCuda:
@@ -71,3 +72,40 @@ class StandInCuda:
                 cuda.log.append(("exit", s.name))
 
         return Ctx()
+
+
+class Deferred:
+    """Stands in for a CUDA event on CPU: the copies behind it run only when it completes, after
+    ``polls`` queries (or at ``synchronize``), as stream copies complete later than enqueued."""
+
+    def __init__(self, pairs, polls):
+        self.pairs, self.polls, self.done = list(pairs), polls, False
+
+    def _run(self):
+        if not self.done:
+            for dst, src in self.pairs:
+                dst.copy_(src)
+            self.done = True
+
+    def query(self):
+        self.polls -= 1
+        if self.polls <= 0:
+            self._run()
+        return self.done
+
+    def synchronize(self):
+        self._run()
+
+
+def defer_copies(st, polls):
+    """Makes the copies of ``st`` (a staging, or anything with a ``dev``) complete only after
+    ``polls`` queries (``float("inf")``: only at ``synchronize``); returns the events made."""
+    made = []
+
+    def copy(after, pairs):
+        ev = Deferred(pairs, polls)
+        made.append(ev)
+        return ev
+
+    st.dev.copy = copy
+    return made

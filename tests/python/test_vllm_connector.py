@@ -14,6 +14,7 @@ import torch  # noqa: E402
 
 import kvwire  # noqa: E402
 from kvwire.vllm import KvwireConnector, KvwireConnectorMetadata  # noqa: E402
+from cuda_standin import defer_copies  # noqa: E402
 from vllm_harness import (  # noqa: E402
     LAYERS, open_pair, PEER_TIMEOUT, RequestStatus, Side, assert_no_leak, d_delayed, d_request, free_port, kv_pattern,
     make_request, model_dir, p_delayed, p_fill, p_request, run_until, timeline, wait_for)
@@ -643,7 +644,7 @@ def test_abort_after_the_kv_landed_frees_once(pair, when):
         assert run_until(lambda: dreq.request_id in d.sched.finished_recving_kv_req_ids, p_step, d.step)
         abort(frees_now=True)
     else:
-        events = defer_landing(d)
+        events = defer_copies(d.worker._worker.stager, polls=float("inf"))
         assert run_until(lambda: events, p_step, d.step)  # the landing started
         abort()
         for _ in range(5):
@@ -665,34 +666,6 @@ def test_abort_after_the_kv_landed_frees_once(pair, when):
     if when == "landing":
         st = d.worker._worker.stager
         assert st.idle and not st.landing and not st.held
-
-
-class _Deferred:
-    """Stands in for the CUDA event of D's landing copy: the copy runs only at ``synchronize``."""
-
-    def __init__(self, pairs):
-        self.pairs, self.done = list(pairs), False
-
-    def query(self):
-        return self.done
-
-    def synchronize(self):
-        if not self.done:
-            for dst, src in self.pairs:
-                dst.copy_(src)
-            self.done = True
-
-
-def defer_landing(side):
-    """Makes D's landing copies complete only when the test says so; returns the events made."""
-    made = []
-
-    def copy(after, pairs):
-        made.append(_Deferred(pairs))
-        return made[-1]
-
-    side.worker._worker.stager.dev.copy = copy
-    return made
 
 
 def test_rdma_near_option_picks_the_workers_gpu():

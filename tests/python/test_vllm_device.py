@@ -16,6 +16,7 @@ vllm = pytest.importorskip("vllm", reason="vLLM not installed in this venv (run 
 import kvwire  # noqa: E402
 from cuda_standin import StandInCuda  # noqa: E402
 from kvwire.vllm import staging  # noqa: E402
+from kvwire.vllm.landing import LandingCopies  # noqa: E402
 from vllm_harness import (  # noqa: E402,F401 (mdir and pair: fixtures)
     LAYERS, RequestStatus, assert_no_leak, d_request, empty, holds, mdir, p_fill, p_request, pair, run_until,
     timeline, wait_for)
@@ -111,16 +112,21 @@ def test_device_writes_wait_for_the_layer_compute(pair, monkeypatch):
     # P's first write went out after the events completed (one process: one monotonic clock).
     (rec,) = [json.loads(r) for r in timeline(p)]
     assert rec["p_first_write"] >= released, rec
-    # D with a landing pool: the copy out of the pool is waited for (an event on the compute
-    # stream, synchronized) before the slots can be written again.
-    wd = worker(d)
-    wd.marks = staging.DeviceCopies(torch.device("cuda", 0))
-    wd.landing = {n: torch.zeros(2, 4, *d.kv[n].shape[2:]) for n in LAYERS}
+    # D with a landing pool on the GPU: the copy out of the pool runs on a side stream, after
+    # the compute stream's work so far; the request stays busy (not reported, its slots not
+    # given back) until the copy's event completed.
+    pools = {n: torch.zeros(2, 4, *d.kv[n].shape[2:]) for n in LAYERS}
+    land = LandingCopies(staging.DeviceCopies(torch.device("cuda", 0)), LAYERS, d.kv, pools, {n: 2 for n in LAYERS})
     fake.log.clear()
-    wd._copy_landing([1], [5])
+    done["now"] = False
+    land.copy("r", [1], [5])
     # (D's worker thread binds itself to the device meanwhile: its set_device is not the copy's)
     log = [e for e in fake.log if e[0] != "set_device"]
-    assert [e[0] for e in log] == ["record", "sync"] and log[0][1] == "compute", fake.log
+    assert [e[:2] for e in log] == [("record", "compute"), ("enter", "side"), ("wait", "side"), ("record", "side"),
+                                    ("exit", "side")], fake.log
+    assert land.busy("r") and not land.idle
+    done["now"] = True
+    assert not land.busy("r") and land.idle
 
 
 def test_device_write_of_a_failed_request_is_never_posted(pair, monkeypatch):

@@ -1,10 +1,10 @@
 """KvwireConnector with staged KV caches (kvwire.vllm.staging), on CPU: ``staging: always`` makes
 a CPU KV cache take the path a CUDA cache takes (P: gathered into a bounded host pool, written
-from there; D: a bounded landing pool that every request lands in, or with ``d_landing: mirror``
-a host landing mirror registered in place of the cache, copied to the cache before the request
-is reported), with synchronous copies instead of stream copies. Unit tests of
-the pool and of the staged sends and landings over real kvwire engines, then the whole path in
-vLLM's real v1 Scheduler (the harness), every byte of D's cache checked against P's."""
+from there; D, ``d_landing: mirror``: a host landing mirror registered in place of the cache,
+copied to the cache before the request is reported), with synchronous copies instead of stream
+copies. Unit tests of the pool and of the staged sends and landings over real kvwire engines,
+then the whole path in vLLM's real v1 Scheduler (the harness), every byte of D's cache checked
+against P's. D's bounded landing pool (``d_landing: pool``) is in test_vllm_landing.py."""
 
 import os
 import sys
@@ -16,7 +16,7 @@ torch = pytest.importorskip("torch", reason="torch not installed in this venv (r
 import kvwire  # noqa: E402
 from kvwire.vllm import staging  # noqa: E402
 from kvwire.vllm.staging import ALIGN, PoolAllocator, Staging, runs  # noqa: E402
-from cuda_standin import StandInCuda  # noqa: E402
+from cuda_standin import StandInCuda, defer_copies  # noqa: E402
 
 
 
@@ -63,42 +63,6 @@ def test_options():
     assert staging.wanted("always", ["cpu"]) and not staging.wanted("never", ["cuda"])
     with pytest.raises(kvwire.UnsupportedError):
         staging.DeviceCopies(torch.device("meta"))
-
-
-class Deferred:
-    """Stands in for a CUDA event on CPU: the copies behind it run only when it completes, after
-    ``polls`` queries (or at ``synchronize``), as stream copies complete later than enqueued."""
-
-    def __init__(self, pairs, polls):
-        self.pairs, self.polls, self.done = list(pairs), polls, False
-
-    def _run(self):
-        if not self.done:
-            for dst, src in self.pairs:
-                dst.copy_(src)
-            self.done = True
-
-    def query(self):
-        self.polls -= 1
-        if self.polls <= 0:
-            self._run()
-        return self.done
-
-    def synchronize(self):
-        self._run()
-
-
-def defer_copies(st, polls):
-    """Makes ``st``'s copies complete only after ``polls`` queries; returns the events made."""
-    made = []
-
-    def copy(after, pairs):
-        ev = Deferred(pairs, polls)
-        made.append(ev)
-        return ev
-
-    st.dev.copy = copy
-    return made
 
 
 BB = 256  # bytes per (block, half) in the unit tests: [2, blocks, 8, 8] float32
@@ -569,132 +533,6 @@ def test_pool_smaller_than_a_layer_queues_and_splits(pair, send_mode):
     assert_no_leak(d)
     assert_no_leak(p)
     assert stager(p).idle
-
-
-# ---- a staged D with a bounded landing pool (d_landing: pool, the default) ----------------------
-
-#: Bytes of one block over both layers (K and V): 2 x 16 tokens x 2 heads x 8 x float32, x 2 layers.
-BLOCK_ALL_LAYERS = 2 * 16 * 2 * 8 * 4 * len(LAYERS)
-
-
-def pool_mb(slots):
-    return slots * BLOCK_ALL_LAYERS / (1 << 20)
-
-
-def d_registered(d):
-    """What D's data engine has registered, by kind of memory."""
-    return d.worker._worker.engine.metrics()["region_bytes_by_kind"]
-
-
-@pytest.mark.parametrize("send_mode", ["whole", "layerwise"])
-@pytest.mark.parametrize("asked", [None, "eager"])
-def test_staged_d_lands_in_a_pool_an_eighth_of_its_cache(pair, send_mode, asked):
-    """D's KV cache is 8x its staging_mb: D registers the landing pool only (no mirror, not the
-    cache), every request lands there whatever policy it asks for, and D's cache ends up with
-    every byte, K and V."""
-    d, p = pair({"policy": "lazy", "staging": "always", "staging_mb": pool_mb(8)}, {"send_mode": send_mode})
-    cache_bytes = sum(t.numel() * t.element_size() for t in d.kv.values())
-    assert cache_bytes == 8 * 8 * BLOCK_ALL_LAYERS
-    assert stager(d) is not None and not stager(d).consumer and not stager(d).layers[LAYERS[0]].mirror
-    assert all(t.shape[1] == 8 for t in d.worker._worker.landing.values())
-    reg = d_registered(d)
-    assert sum(reg.values()) == 8 * BLOCK_ALL_LAYERS <= pool_mb(8) * (1 << 20) == cache_bytes // 8
-    dreq = d_request("b1", p)
-    if asked:
-        dreq.kv_transfer_params["kvwire_policy"] = asked
-    d.sched.add_request(dreq)
-    d.step()
-    assert d.conn._sched.d_reqs["d/b1"].policy == "land"
-    preq = p_request("b1", d)
-    p.sched.add_request(preq)
-    assert run_until(lambda: dreq.status == RequestStatus.RUNNING, lambda: p.step(p_fill), d.step)
-    ids = d.sched.kv_cache_manager.get_block_ids("d/b1")[0]
-    assert len(ids) == 3
-    assert holds(d.kv, "b1", ids)
-    assert run_until(lambda: dreq.is_finished() and not p.sched.requests, lambda: p.step(p_fill), d.step)
-    assert_no_leak(d)
-    assert_no_leak(p)
-    assert sorted(d.conn._sched.land_free) == list(range(8))  # every slot back
-    assert d_registered(d) == reg
-
-
-def test_staged_pool_too_full_waits_for_slots(pair):
-    """Two requests of 3 blocks each and a pool of 4 slots: the second waits (P keeps its KV),
-    takes the slots once the first was reported, and both arrive byte for byte."""
-    d, p = pair({"policy": "lazy", "staging": "always", "staging_mb": pool_mb(4)}, {"send_mode": "layerwise"})
-    sched = d.conn._sched
-    reqs = {rid: d_request(rid, p) for rid in ("w1", "w2")}
-    for rid, r in reqs.items():
-        d.sched.add_request(r)
-        d.step()
-        p.sched.add_request(p_request(rid, d))
-    assert run_until(lambda: sched.land_waiting, lambda: p.step(p_fill), d.step)
-    waiting = sched.d_by_key[sched.land_waiting[0][0]].req
-    first = next(r for r in reqs.values() if r.request_id != waiting)
-    assert sched.d_reqs[waiting].slots is None  # no slot of the pool: nothing of it can land yet
-    assert reqs[waiting.split("/")[1]].status in (RequestStatus.WAITING, RequestStatus.WAITING_FOR_REMOTE_KVS)
-    assert run_until(lambda: all(r.status == RequestStatus.RUNNING or r.is_finished() for r in reqs.values()),
-                     lambda: p.step(p_fill), d.step)
-    assert not sched.land_waiting
-    for rid, r in reqs.items():
-        ids = d.sched.kv_cache_manager.get_block_ids(r.request_id)[0]
-        assert holds(d.kv, rid, ids), rid
-    assert first.status == RequestStatus.RUNNING or first.is_finished()
-    assert run_until(lambda: all(r.is_finished() for r in reqs.values()) and not p.sched.requests,
-                     lambda: p.step(p_fill), d.step)
-    assert_no_leak(d)
-    assert_no_leak(p)
-    assert sorted(sched.land_free) == list(range(4))
-
-
-def test_request_larger_than_the_pool_fails_without_a_mirror(pair):
-    """A request of 3 blocks and a pool of 2 slots: with no mirror to fall back to, it takes the
-    load-error path; nothing leaks and the pool is untouched."""
-    d, p = pair({"policy": "lazy", "staging": "always", "staging_mb": pool_mb(2)}, {},
-                load_failure_policy="fail")
-    dreq = d_request("big", p)
-    d.sched.add_request(dreq)
-    d.step()
-    p.sched.add_request(p_request("big", d))
-    assert run_until(lambda: dreq.is_finished(), lambda: p.step(p_fill), d.step)
-    assert dreq.status != RequestStatus.RUNNING
-    assert sorted(d.conn._sched.land_free) == [0, 1] and not d.conn._sched.land_waiting
-    assert not any(t.any() for t in d.worker._worker.landing.values())
-    assert run_until(lambda: not p.sched.requests, lambda: p.step(p_fill), d.step)
-    assert_no_leak(d)
-    assert_no_leak(p)
-
-
-def test_abort_of_a_landing_request_gives_its_slots_back(pair):
-    """D's request is aborted while its KV lands in the pool: its slots come back once P
-    confirmed (nothing of it can land any more), and nothing leaks."""
-    d, p = pair({"policy": "lazy", "staging": "always", "staging_mb": pool_mb(4)}, {"send_mode": "layerwise"})
-    sched = d.conn._sched
-    dreq = d_request("ab", p)
-    d.sched.add_request(dreq)
-    d.step()
-    p.sched.add_request(p_request("ab", d))
-    assert run_until(lambda: sched.d_reqs["d/ab"].slots, lambda: p.step(p_fill), d.step)
-    assert len(sched.land_free) == 1
-    d.sched.finish_requests("d/ab", RequestStatus.FINISHED_ABORTED)
-    assert run_until(lambda: not d.sched.requests and not p.sched.requests and len(sched.land_free) == 4,
-                     lambda: p.step(p_fill), d.step)
-    assert sorted(sched.land_free) == list(range(4))
-    assert_no_leak(d)
-    assert_no_leak(p)
-
-
-def test_staged_pool_options():
-    assert staging.d_landing({}) == "pool" and staging.d_landing({"d_landing": "mirror"}) == "mirror"
-    with pytest.raises(kvwire.InvalidArgumentError):
-        staging.d_landing({"d_landing": "host"})
-    assert staging.pool_slots({}, 10 * 4096, 4096) == 10
-    assert staging.pool_slots({"land_pool_blocks": 3}, 10 * 4096, None) == 3
-    with pytest.raises(kvwire.InvalidArgumentError, match="land_pool_blocks"):
-        staging.pool_slots({}, 1 << 20, None)
-    with pytest.raises(kvwire.InvalidArgumentError, match="raise staging_mb"):
-        staging.pool_slots({}, 4095, 4096)
-    assert staging.block_bytes(None) is None
 
 
 @pytest.mark.parametrize("at", ["submit", "complete"])

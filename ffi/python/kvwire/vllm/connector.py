@@ -75,7 +75,8 @@ class KvwireConnectorMetadata(KVConnectorMetadata):
     finished_sending: set = field(default_factory=set)
     # P: prefill chunks computed in this step: (req, key, lo, hi, prompt, block ids, mode, last).
     p_chunks: list = field(default_factory=list)
-    # D, policy land: req -> (landing slots, KV blocks) to copy before reporting it received.
+    # D's landing pool: req -> (slots, KV blocks, layers or None for all) to copy, before the
+    # request is reported (kvwire.vllm.landing).
     land_copies: dict = field(default_factory=dict)
     # D: data addresses of P engines whose writes must be refused from now on.
     fences: list = field(default_factory=list)
@@ -108,8 +109,8 @@ class KvwireConnector(KVConnectorBase_V1, compat.SupportsHMA):
         self._is_producer = kt.kv_role in ("kv_producer", "kv_both")
         self._is_consumer = kt.kv_role in ("kv_consumer", "kv_both")
         self._tp = compat.tp_size(vllm_config)
-        # A staged D lands in a bounded pool (staging: every request takes policy land): its
-        # slots, the same for the scheduler and every worker; None otherwise.
+        # A staged D lands every request in a bounded pool (staging, landing): its slots, the
+        # same for the scheduler and every worker; None otherwise.
         self._d_pool = None
         mode, pool_bytes = _staging.parse_options(extra)
         device = getattr(getattr(vllm_config, "device_config", None), "device_type", "cuda")

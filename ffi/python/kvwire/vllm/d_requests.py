@@ -44,7 +44,15 @@ class _DReq:
     reported: bool = False
     promoted: bool = False
     first_pending: bool = False
-    slots: list | None = None  # land: landing-pool slots
+    slots: list | None = None  # landing-pool slots (land, or bounce)
+    # The slots are ours to free, at the workers' report of the request, not the core's: P
+    # writes nothing more into them, but the workers' copies out of them may still run.
+    own_slots: bool = False
+    # A staged D's eager/lazy/jit: P writes into the slots (the core's "blocks"), vLLM's KV
+    # blocks are these, and each landed layer is copied from the one into the other.
+    bounce: bool = False
+    kv_blocks: list | None = None
+    copied: set = field(default_factory=set)  # layers handed to the workers to copy
     loads: dict = field(default_factory=dict)
     request: object = None  # vLLM's Request (see build_connector_meta)
 
@@ -58,10 +66,16 @@ class DRequests:
         # D's landing pool (policy land): free slot ids
         self.land_slots = land_pool_blocks
         self.land_free = list(range(land_pool_blocks - 1, -1, -1))
-        # A staged D with a bounded landing pool (staging.py): every request lands; one the pool
-        # cannot take now waits here for slots (FIFO: (key, blocks)) instead of falling back
+        # A staged D with a bounded landing pool (staging.py): every request lands in it (see
+        # kvwire.vllm.landing); a land request the pool cannot take now waits here for slots
+        # (FIFO: (key, blocks)) instead of falling back; any other waits for its reservation
         self.staged_pool = staged_pool
         self.land_waiting: list[tuple[int, int]] = []
+        # req -> slots to free when the workers report the request (its copies are done)
+        self.slots_at_report: dict[str, list] = {}
+        # layers handed to the workers' landing copies, while the request was still landing or
+        # once it was complete (d_landing_copied_layers)
+        self.copied_layers = {"landing": 0, "complete": 0}
         # bootstrap endpoints (MooncakeConnector style) -> resolved control address or error
         self.resolved: dict[str, str | Exception | None] = {}
 
@@ -146,17 +160,13 @@ class DRequests:
                     return self._fail_early(request, dp, tokens)
                 self.identity_wait.pop(req, None)
                 policy = dp.policy or self.opts.policy
-                if self.staged_pool and policy != "land":
-                    if dp.policy:
-                        logger.info("kvwire: request %s asked for policy %s; this staged D lands every request "
-                                    "in its pool (d_landing: pool)", req, policy)
-                    policy = "land"
                 core = self.d_core(policy)
                 key = env.request_key(dp.transfer_id)
                 blocks = -(-request.num_prompt_tokens // bs)
                 now = _now()
                 st = _DReq(req=req, key=key, pid=pid, policy=policy, core=core, prompt=request.num_prompt_tokens,
-                           blocks=blocks, transfer_id=dp.transfer_id, request=request)
+                           blocks=blocks, transfer_id=dp.transfer_id, request=request,
+                           bounce=self.staged_pool and policy != "land")
                 loads = compat.scheduler_loads()
                 st.loads = {f"d_{k}": v for k, v in loads.items()}
                 if pid in self.incompatible:
@@ -188,8 +198,31 @@ class DRequests:
             if hit != st.hit:
                 self._set_hit(st, hit, _now())
             if st.core.may_reserve(st.key):
+                if st.bounce and not self._bounce_slots(st, st.blocks - st.hit, _now()):
+                    return (tokens, True) if st.failed_early else (None, False)
                 return tokens, True
             return None, False
+
+    def _bounce_slots(self, st: _DReq, need: int, now: int) -> bool:
+        """A bounce request about to be reserved takes ``need`` slots of the pool (before vLLM
+        allocates its blocks, so that it never holds blocks it cannot receive into). False:
+        not now (a request that can never fit fails, ``st.failed_early``)."""
+        if st.slots is not None and len(st.slots) == need:
+            return True
+        if st.slots is not None:
+            self._free_slots(st.slots, now)  # the local prefix hit changed: another count
+            st.slots = None
+        if need > self.land_slots:
+            logger.warning("kvwire: request %s needs %d blocks, D's landing pool has %d slots (staging_mb, "
+                           "land_pool_blocks): it fails", st.req, need, self.land_slots)
+            self._core_call(st.core.abort, st.key, now, quiet=True)
+            self._run_actions(now)
+            st.failed_early = True
+            return False
+        if len(self.land_free) < need or self.land_waiting:
+            return False
+        st.slots = [self.land_free.pop() for _ in range(need)]
+        return True
 
     def _fail_early(self, request, dp, tokens):
         st = _DReq(req=request.request_id, key=env.request_key(dp.transfer_id), pid=0, policy=self.opts.policy,
@@ -218,6 +251,22 @@ class DRequests:
                     self.out_failed[req] = new
                     self._forget_d(st)
                     return
+                if st.bounce:
+                    if hit != st.hit:
+                        self._set_hit(st, hit, now)
+                    if not self._bounce_slots(st, len(new), now):
+                        logger.warning("kvwire: request %s: no landing slots for its %d blocks", req, len(new))
+                        self._core_call(st.core.abort, st.key, now, quiet=True)
+                        self.out_failed[req] = new
+                        self._forget_d(st)
+                        self._run_actions(now)
+                        return
+                    st.kv_blocks, st.own_slots = list(new), True
+                    if not self._core_call(st.core.reserved, st.key, list(st.slots), now):
+                        self._core_call(st.core.abort, st.key, now, quiet=True)
+                        self.out_failed[req] = new
+                    self._run_actions(now)
+                    return
                 if st.slots is not None and hit != st.hit:
                     # land: the KV landed for blocks st.hit.. ; a different local hit now cannot
                     # be filled from the landing pool
@@ -239,10 +288,15 @@ class DRequests:
 
     def update_connector_output(self, out):
         recv = out.finished_recving or ()
+        sending = out.finished_sending or ()
         with self.lock:
-            if not (recv or any(s.first_pending for s in self.d_reqs.values())):
+            if not (recv or any(s.first_pending for s in self.d_reqs.values())
+                    or (sending and self.slots_at_report)):
                 return
             now = _now()
+            for req in (*recv, *sending):  # the workers' copies out of its slots are over
+                if req in self.slots_at_report:
+                    self._free_slots(self.slots_at_report.pop(req), now)
             for st in list(self.d_reqs.values()):
                 if st.first_pending:
                     st.first_pending = False
@@ -304,8 +358,17 @@ class DRequests:
                 st.slots = None
         elif isinstance(a, kcore.ReportFinished):
             if st is not None:
-                if st.slots is not None:  # land: the workers copy the slots into the blocks first
-                    self.out_land[st.req] = (list(st.slots), list(core.reserved_blocks(a.req)))
+                if st.bounce and st.kv_blocks is not None:  # the layers not yet copied, copied now
+                    rest = set(core.landed_layers(a.req)) - st.copied
+                    st.copied |= rest
+                    self.copied_layers["complete"] += len(rest)
+                    done = self.out_land.get(st.req)
+                    layers = sorted(rest | set(done[2] if done else ()))
+                    self.out_land[st.req] = (list(st.slots), list(st.kv_blocks), layers)
+                elif st.slots is not None:  # land: the workers copy the slots into the blocks first
+                    st.own_slots = True
+                    self.copied_layers["complete"] += len(core.landed_layers(a.req))
+                    self.out_land[st.req] = (list(st.slots), list(core.reserved_blocks(a.req)), None)
                 self.out_recv.add(st.req)
         elif isinstance(a, kcore.ReportFailed):
             if st is None:
@@ -313,7 +376,7 @@ class DRequests:
             if st.delayed:
                 pass  # vLLM aborted it already: its blocks are freed through the release path
             elif a.blocks:
-                self.out_failed[st.req] = list(a.blocks)
+                self.out_failed[st.req] = list(st.kv_blocks if st.bounce else a.blocks)
             else:
                 st.failed_early = True
             logger.warning("kvwire: request %s failed on D: %s", st.req, a.reason)
@@ -337,6 +400,22 @@ class DRequests:
                 # It may still be alive: refused until a new incarnation of it shows up.
                 self.fenced[eid] = addrs
 
+    @staticmethod
+    def _kv_blocks(st: _DReq) -> list:
+        """vLLM's KV blocks of a reserved request (the core holds slots for a bounce one)."""
+        return list(st.kv_blocks) if st.kv_blocks is not None else list(st.core.reserved_blocks(st.key))
+
+    def _d_landed_layers(self) -> None:
+        """Bounce requests: the layers landed since the last step go to the workers' copies."""
+        for st in self.d_reqs.values():
+            if st.kv_blocks is None or st.delayed or st.recv_sent or st.reported or st.core is None:
+                continue
+            new = [x for x in st.core.landed_layers(st.key) if x not in st.copied]
+            if new:
+                st.copied.update(new)
+                self.copied_layers["landing"] += len(new)
+                self.out_land[st.req] = (list(st.slots), list(st.kv_blocks), new)
+
     def _d_finished(self, st: _DReq, now: int):
         if st.core is None or st.failed_early:
             self._forget_d(st)
@@ -357,7 +436,8 @@ class DRequests:
             self._core_call(st.core.abort, st.key, now, quiet=True)
             self._run_actions(now)
             return False, None
-        held = bool(st.core.reserved_blocks(st.key)) and st.slots is None
+        # KV blocks P may still write into, or (bounce) that copies from the slots may fill
+        held = bool(st.core.reserved_blocks(st.key)) and (st.slots is None or st.kv_blocks is not None)
         if held:
             st.delayed = True
         self._core_call(st.core.abort, st.key, now, quiet=True)
@@ -368,6 +448,12 @@ class DRequests:
         return False, None
 
     def _forget_d(self, st: _DReq) -> None:
+        if st.slots is not None:
+            if st.own_slots:  # freed when the workers report the request
+                self.slots_at_report[st.req] = st.slots
+            elif st.bounce:  # never offered to P
+                self._free_slots(st.slots, _now())
+            st.slots = None  # else (land) the core gives them back (ReleaseLanding)
         self.d_reqs.pop(st.req, None)
         self.d_by_key.pop(st.key, None)
         self._remember(("d", st.key), st)

@@ -292,13 +292,15 @@ class SchedulerSide(PeerBook, DRequests, PRequests):
             if self.d_reqs:
                 self._d_promote(so, now)
             self._run_actions(now)
+            if self.staged_pool:
+                self._d_landed_layers()
             for r in self.out_failed:
                 st = self.d_reqs.get(r)
                 if st is not None:
                     compat.count_uncached(st.request)
             meta = KvwireConnectorMetadata(
                 finished_recving=self.out_recv,
-                recv_block_ids={r: list(self.d_reqs[r].core.reserved_blocks(self.d_reqs[r].key))
+                recv_block_ids={r: self._kv_blocks(self.d_reqs[r])
                                 for r in self.out_recv if r in self.d_reqs and self.d_reqs[r].core is not None},
                 failed_recving=self.out_failed,
                 finished_sending=self.out_sending,
@@ -366,6 +368,8 @@ class SchedulerSide(PeerBook, DRequests, PRequests):
         with self.lock:
             flat = [_stats.flatten_d(core.metrics(now)) for core in self.d_cores.values()]
             flat += [_stats.flatten_p(core.metrics()) for core in self.p_cores.values()]
+            if self.c._is_consumer:
+                flat.append(({f"d_landing_copied_layers|{k}": n for k, n in self.copied_layers.items()}, {}, {}))
         counters, hists, gauges = _stats.merge(flat)
         st = KvwireConnectorStats(data=self.deltas.delta(counters, hists, gauges))
         return None if st.is_empty() else st

@@ -14,12 +14,13 @@ CUDA therefore moves every byte through host memory registered with its data eng
   the free pool waits in FIFO order, so nothing is reordered across the layers of a request. A
   transfer bigger than the whole pool is split by blocks.
 * **D (target), ``d_landing: pool`` (the default): a bounded landing pool.** D registers no
-  host copy of its cache: every request takes policy ``land``, so P writes into slots of a
-  landing pool of ``staging_mb`` in pinned host memory (``land_pool_blocks`` slots, by default as
-  many blocks over every layer as ``staging_mb`` holds), and once vLLM reserved the request's
-  blocks the workers copy its slots into them before it is reported. A request waits for free
-  slots (P holds its KV meanwhile); one larger than the whole pool fails (the load-error path).
-  The copy runs once every layer landed, not layer by layer.
+  host copy of its cache: P writes every request into slots of a landing pool of ``staging_mb``
+  in pinned host memory (``land_pool_blocks`` slots, by default as many blocks over every layer
+  as ``staging_mb`` holds), and the workers copy the slots into the request's KV blocks, layer by
+  layer as the layers land (``eager``, ``lazy``, ``jit``: D holds the blocks as the policy says)
+  or all at once when the blocks are reserved (``land``): see :mod:`kvwire.vllm.landing`. A
+  request waits for free slots (P holds its KV meanwhile); one larger than the whole pool fails
+  (the load-error path).
 * **D (target), ``d_landing: mirror``: a landing mirror.** Pinned host memory with exactly the KV
   cache's layout is registered *instead of* the device tensor. P addresses D as it does without staging and knows
   nothing of it. When the scheduler reports that a request has fully arrived

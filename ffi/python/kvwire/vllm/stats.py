@@ -54,6 +54,9 @@ SERIES: dict[str, tuple] = {
     "d_held_block_seconds": ("gauge", "kvwire_d_held_block_seconds", (),
                              "Block-seconds held so far by the reservations still waiting."),
     "d_landing_slots": ("gauge", "kvwire_d_landing_slots", (), "D landing-pool slots held now (land)."),
+    "d_landing_copied_layers": ("counter", "kvwire_d_landing_copied_layers", ("when",),
+                                "Request layers D's workers copied out of the landing pool: while later "
+                                "layers were still landing (landing), or once all had landed (complete)."),
     # P side (scheduler, the PCore)
     "p_scheduled": ("counter", "kvwire_p_requests_scheduled", (), "Requests scheduled on P for remote decode."),
     "p_transfers": ("counter", "kvwire_p_transfers", (), "Layer transfers started by P."),

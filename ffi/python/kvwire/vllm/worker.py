@@ -18,10 +18,11 @@ P (producer), per request, on each TP rank:
   scheduler releases them.
 
 D (consumer): the caches are registered and offered to P (``rw``); for policy ``land`` a
-landing pool (``land_pool_blocks`` slots per layer, host memory) is offered after them, and a
-request's slots are copied into its blocks (``land_copies``) before it is reported received. A
-staged D with ``d_landing: pool`` offers the pool only (pinned when the cache is on CUDA; see
-:mod:`kvwire.vllm.staging`).
+landing pool (``land_pool_blocks`` slots per layer, host memory) is offered after them. A staged
+D with ``d_landing: pool`` offers the pool only (pinned when the cache is on CUDA; see
+:mod:`kvwire.vllm.staging`): every request lands there. The scheduler says which slots to copy
+into which blocks, and which layers (``land_copies``); :mod:`kvwire.vllm.landing` copies them
+and a request is reported only once its copies completed.
 A ``fence`` names P data engines whose connections to this one are closed before blocks they
 may have written are reused.
 
@@ -44,6 +45,7 @@ import kvwire
 from kvwire.vllm import compat
 from kvwire.vllm import envelope as env
 from kvwire.vllm import staging as _staging
+from kvwire.vllm.landing import LandingCopies
 from kvwire.vllm import stats as _stats
 from kvwire.vllm.control import ControlPlane, advertised
 from kvwire.vllm.stats import KvwireConnectorStats
@@ -164,6 +166,7 @@ class WorkerSide:
         self.shape: dict[str, tuple] = {}  # name -> (halves, num_blocks, block_bytes)
         self.caches: dict[str, Any] = {}
         self.landing: dict[str, Any] = {}  # name -> landing-pool tensor (D, policy land)
+        self.land: LandingCopies | None = None  # its copies into the caches
         self.peers: dict[str, Any] = {}
         self.lock = threading.RLock()
         self.sends: dict[int, _Send] = {}
@@ -249,6 +252,11 @@ class WorkerSide:
                     lt = torch.zeros(shape, dtype=t.dtype, device=t.device if direct else "cpu")
                 self.landing[name] = lt
                 kvwire.register_tensor(self.engine, lt, "rw", pinned=pinned, ipc=direct)
+            dev = self.stager.dev if self.stager is not None else self.marks
+            if dev is None:
+                dev = _staging.DeviceCopies(torch.device("cpu"))
+            self.land = LandingCopies(dev, self.layers, self.caches, self.landing,
+                                      {name: self.shape[name][0] for name in self.layers})
             if self.marks is not None:
                 gb = sum(t.numel() * t.element_size() for t in self.landing.values()) / 1e9
                 logger.warning("kvwire: D's landing pool takes %.2f GB of %s beside the KV cache (%d slots per layer, "
@@ -273,8 +281,13 @@ class WorkerSide:
                 self.engine.unfence(addr)
             except (kvwire.KvwireError, AttributeError) as e:
                 logger.warning("kvwire: lifting the fence of %s failed: %s", addr, e)
-        for req, (slots, blocks) in meta.land_copies.items():
-            self._copy_landing(slots, blocks)
+        for req, (slots, blocks, layers) in meta.land_copies.items():
+            if self.land is None:
+                logger.warning("kvwire: landing copy asked, but this worker has no landing pool")
+                self.load_errors.update(blocks)
+                continue
+            with self.lock:
+                self.land.copy(req, slots, blocks, layers)
         if self.stager is None or not self.stager.consumer:
             self.recv |= meta.finished_recving
         else:  # reported by get_finished once their blocks were copied mirror -> device
@@ -348,8 +361,17 @@ class WorkerSide:
             with self.lock:
                 self.recv, self.sending, bad = self.stager.settle(self.recv, self.sending)
             self.load_errors |= bad
-        recv, self.recv = self.recv, set()
-        sending, self.sending = self.sending, set()
+        if self.land is not None:  # D: a request whose landing copies still run waits for them
+            with self.lock:
+                busy = {r for r in self.recv | self.sending if self.land.busy(r)}
+                for r in self.recv - busy:
+                    self.load_errors |= self.land.take_failed(r)
+                for r in self.sending - busy:
+                    self.land.take_failed(r)  # released: nothing of it is read any more
+        else:
+            busy = set()
+        recv, self.recv = self.recv - busy, self.recv & busy
+        sending, self.sending = self.sending - busy, self.sending & busy
         return (sending or None), (recv or None)
 
     def take_load_errors(self):
@@ -561,28 +583,7 @@ class WorkerSide:
             for addr in w.get("addrs") or []:
                 self.peers.pop(addr, None)
 
-    # ---- D: landing pool, fences ----
-    def _copy_landing(self, slots: list, blocks: list) -> None:
-        import torch
-
-        if not self.landing:
-            logger.warning("kvwire: landing copy asked, but this worker has no landing pool")
-            return
-        s = torch.tensor(slots, dtype=torch.long)
-        b = torch.tensor(blocks, dtype=torch.long)
-        for name in self.layers:
-            cache, pool = self.caches[name], self.landing[name]
-            halves = self.shape[name][0]
-            if halves == 2:
-                cache[:, b] = pool[:, s].to(cache.device)
-            else:
-                cache[b] = pool[s].to(cache.device)
-        if self.marks is not None:
-            # A pool on the GPU (staging: device): the copies above are queued on the compute
-            # stream; the slots go back to the scheduler with this request's report, and P may
-            # write into them again only once the copies have read them.
-            self.marks.done(self.marks.mark(), block=True)
-
+    # ---- D: fences ----
     def _fence(self, addrs: list) -> None:
         """Closes this engine's connections from the P data engines at ``addrs`` and refuses
         their writes from now on."""
