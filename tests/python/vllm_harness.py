@@ -99,6 +99,19 @@ def hand_shake(conn, workers):
         conn.set_xfer_handshake_metadata(metas)
 
 
+def _start_load_after_forward() -> bool:
+    """Whether this vLLM's model runner starts the connector's loads after the forward (0.33)
+    rather than before it (0.18)."""
+    import inspect
+
+    from vllm.v1.worker import kv_connector_model_runner_mixin as mixin
+
+    return "start_after_forward" in inspect.getsource(mixin)
+
+
+START_LOAD_AFTER_FORWARD = _start_load_after_forward()
+
+
 class Side:
     """One vLLM instance: a real Scheduler (with the scheduler-side connector built by vLLM)
     plus ``tp`` worker-side connectors (``workers``; ``worker`` is rank 0's), rank r over CPU KV
@@ -146,12 +159,16 @@ class Side:
 
     def step(self, fill=None):
         """One engine step: schedule, run the worker hooks around a stand-in forward (``fill``
-        writes each scheduled prefill's KV), feed the connector output back."""
+        writes each scheduled prefill's KV), feed the connector output back. ``start_load_kv``
+        comes where this vLLM calls it: before the forward, or after it (vLLM 0.33, when no
+        load of the step is synchronous)."""
         so = self.sched.schedule()
+        after = START_LOAD_AFTER_FORWARD and not getattr(so, "has_sync_kv_loads", False)
         # The ranks run each phase in turn (in vLLM they run it at the same time).
         for w in self.workers:
             w.bind_connector_metadata(so.kv_connector_metadata)
-            w.start_load_kv(None)
+            if not after:
+                w.start_load_kv(None)
         for li, name in enumerate(LAYERS):
             for r, w in enumerate(self.workers):
                 if fill is not None:
@@ -160,6 +177,8 @@ class Side:
                 w.save_kv_layer(name, self.kvs[r][name], attn_metadata=object())
         self.rank, self.kv = 0, self.kvs[0]
         for w in self.workers:
+            if after:
+                w.start_load_kv(None)
             w.wait_for_save()
         ids = list(so.num_scheduled_tokens.keys())
         outs = []

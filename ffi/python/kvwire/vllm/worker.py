@@ -171,6 +171,7 @@ class WorkerSide:
         self.lock = threading.RLock()
         self.sends: dict[int, _Send] = {}
         self.deferred: dict[int, _Send] = {}  # staging: device: the sends with writes waiting (_After)
+        self.step_meta = None  # the metadata whose prefill chunks step_chunks holds
         self.step_chunks: list = []
         self.step_layers: set = set()
         self.sched = ""
@@ -297,6 +298,16 @@ class WorkerSide:
             self.recv.add(req)
             self.load_errors.update(blocks)
         self.sending |= meta.finished_sending
+        self._begin_step(meta)
+
+    def _begin_step(self, meta) -> None:
+        """Takes the prefill chunks this step computes, once per step, at whichever hook comes
+        first: vLLM 0.18 calls ``start_load_kv`` before the forward, vLLM 0.33 after it (its
+        loads are asynchronous), so there the first layer's ``save_kv_layer`` comes first."""
+        if meta is self.step_meta:
+            return
+        self.step_meta = meta
+        self.sched = meta.scheduler_control or self.sched
         with self.lock:
             self.step_chunks = list(meta.p_chunks)
             self.step_layers = set()
@@ -312,6 +323,7 @@ class WorkerSide:
             layer = self.layers.index(layer_name)
         except ValueError:
             return
+        self._begin_step(meta)
         if not self.step_chunks:
             return
         with self.lock:
@@ -336,6 +348,7 @@ class WorkerSide:
             self._pump(s, layer)
 
     def wait_for_save(self, meta):
+        self._begin_step(meta)
         now = time.monotonic_ns()
         with self.lock:
             # Layers whose hook did not run (a replayed full CUDA graph skips them) are computed
