@@ -2,8 +2,10 @@
 process, unmodified scheduler), KvwireConnector loaded by ``kv_connector_module_path``, requests
 over HTTP with ``kv_transfer_params``.
 
-Three servers for the module: ``single`` (no connector: the reference instance), ``P``
-(kv_producer) and ``D`` (kv_consumer), all with the stand-in worker of :mod:`kvwire.testing`,
+Four servers for the module: ``single`` (no connector: the reference instance), ``P``
+(kv_producer), ``D`` (kv_consumer) and ``DS`` (kv_consumer whose cache takes the staged path a
+CUDA cache takes: ``staging: always``, P writes into its bounded landing pool and its workers copy
+each layer into the KV blocks as it lands), all with the stand-in worker of :mod:`kvwire.testing`,
 whose next token is read from the KV in the cache: D's output equals the single instance's only
 if every byte D received is right. Async scheduling follows ``KVWIRE_E2E_ASYNC`` (1: on, vLLM's
 default; 0: off); ``tests/e2e/run.sh`` runs both on both vLLM versions.
@@ -51,7 +53,8 @@ class Cluster:
         self.model = write_model_dir(os.path.join(root, "model"))
         self.timelines = os.path.join(root, "timelines")
         self.p_ctl, self.d_ctl = Control(os.path.join(root, "p-ctl")), Control(os.path.join(root, "d-ctl"))
-        self.p_control, self.d_control = free_port(), free_port()
+        self.ds_ctl = Control(os.path.join(root, "ds-ctl"))
+        self.p_control, self.d_control, self.ds_control = free_port(), free_port(), free_port()
         self.bootstrap = free_port()
         common = {"async_scheduling": ASYNC, "log_dir": root, "max_num_batched_tokens": BATCHED,
                   "num_blocks": 512, "max_model_len": MAX_MODEL_LEN, "log_stats": True}
@@ -71,7 +74,11 @@ class Cluster:
         self.d = Server("d", py, free_port(), self.model,
                         kv_transfer_config=kt("kv_consumer", self.d_control, land_pool_blocks=128, bootstrap_port=0),
                         env=self.d_ctl.env(), **common)
-        self.servers = [self.single, self.p, self.d]
+        self.ds = Server("ds", py, free_port(), self.model,
+                         kv_transfer_config=kt("kv_consumer", self.ds_control, staging="always", land_pool_blocks=128,
+                                               bootstrap_port=0),
+                         env=self.ds_ctl.env(), **common)
+        self.servers = [self.single, self.p, self.d, self.ds]
         self._ref: dict[tuple, list] = {}
 
     def start(self):
@@ -91,14 +98,15 @@ class Cluster:
         return self._ref[k]
 
     def pd(self, prompt, tid, policy="lazy", mode="layerwise", n=5, d_extra=None, timeout=120.0,
-           p_extra=None, d_request_id=None):
-        """One P/D request as a router sends it: P (max_tokens 1) and D at once."""
+           p_extra=None, d_request_id=None, staged=False):
+        """One P/D request as a router sends it: P (max_tokens 1) and D (``staged``: DS) at once."""
         res = {}
+        d_server, d_control = (self.ds, self.ds_control) if staged else (self.d, self.d_control)
 
         def to_p():
             try:
                 res["p"] = self.p.complete(prompt, 1, {"do_remote_decode": True, "transfer_id": tid,
-                                                       "remote_control": f"127.0.0.1:{self.d_control}",
+                                                       "remote_control": f"127.0.0.1:{d_control}",
                                                        "kvwire_send_mode": mode, **(p_extra or {})},
                                          timeout=timeout)
             except (ServerError, OSError) as e:
@@ -107,7 +115,7 @@ class Cluster:
         th = threading.Thread(target=to_p)
         th.start()
         try:
-            d = self.d.complete(prompt, n, {"do_remote_prefill": True, "transfer_id": tid,
+            d = d_server.complete(prompt, n, {"do_remote_prefill": True, "transfer_id": tid,
                                             "remote_control": f"127.0.0.1:{self.p_control}",
                                             "kvwire_policy": policy, **(d_extra or {})}, timeout=timeout,
                                 request_id=d_request_id)
@@ -115,14 +123,16 @@ class Cluster:
             th.join(timeout + 10)
         return d["tokens"], res
 
-    def d_idle(self):
-        """D holds no block for kvwire and has no kvwire request. A short local request first
-        makes D step (an idle engine publishes no stats), so its gauges are current."""
+    def d_idle(self, staged=False):
+        """D (``staged``: DS) holds no block for kvwire and has no kvwire request. A short local
+        request first makes it step (an idle engine publishes no stats), so its gauges are
+        current."""
+        d = self.ds if staged else self.d
         try:
-            self.d.complete([5, 6, 7], 2)
-            return (self.d.metric("vllm:kvwire_d_held_blocks") == 0.0
-                    and self.d.metric("vllm:kvwire_d_requests") == 0.0
-                    and self.d.metric("vllm:kvwire_d_landing_slots") == 0.0)
+            d.complete([5, 6, 7], 2)
+            return (d.metric("vllm:kvwire_d_held_blocks") == 0.0
+                    and d.metric("vllm:kvwire_d_requests") == 0.0
+                    and d.metric("vllm:kvwire_d_landing_slots") == 0.0)
         except (KeyError, OSError, ServerError):
             return False
 
@@ -161,6 +171,20 @@ def test_d_output_equals_single_instance(cluster, policy, mode):
         assert "p_error" not in res, res
         assert got == cluster.single_output(prompt, 5), (policy, mode, n)
     assert wait_for(cluster.d_idle), "D holds blocks after its requests ended"
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("policy", POLICIES)
+def test_staged_d_output_equals_single_instance(cluster, policy, mode):
+    """The same through DS, whose KV cache takes a CUDA cache's staged path: P writes into its
+    landing pool (a quarter of its cache), its workers copy the slots into the KV blocks."""
+    seed = 500 + POLICIES.index(policy) * 10 + MODES.index(mode)
+    for n in (40, LONG):
+        prompt = prompt_of(n, seed)
+        got, res = cluster.pd(prompt, f"os-{policy}-{mode}-{n}-{ASYNC}", policy, mode, staged=True)
+        assert "p_error" not in res, res
+        assert got == cluster.single_output(prompt, 5), (policy, mode, n)
+    assert wait_for(lambda: cluster.d_idle(staged=True)), "DS holds blocks or slots after its requests ended"
 
 
 def test_corrupted_transfer_changes_output(cluster):
@@ -292,26 +316,41 @@ def poke(server):
 LEAD_POLICIES = ("eager", "lazy", "land")
 
 
+def landing_copies(server) -> float:
+    """Layers the server's workers copied out of its landing pool while later layers of the
+    request were still landing (0 before the first)."""
+    try:
+        return server.metric("vllm:kvwire_d_landing_copied_layers_total", {"when": "landing"})
+    except KeyError:
+        return 0.0
+
+
+@pytest.mark.parametrize("staged", [False, True], ids=["d", "ds"])
 @pytest.mark.parametrize("policy", LEAD_POLICIES)
-def test_layer0_of_chunk0_lands_before_p_ends_its_last_chunk(cluster, policy):
+def test_layer0_of_chunk0_lands_before_p_ends_its_last_chunk(cluster, policy, staged):
     """A prompt of three chunks on P, layerwise. P's worker is held inside its last chunk's
     forward, before that chunk's last layer; meanwhile D's worker finds layer 0 of the first
     chunk's first block (its K/V, every element compared) in a KV block, or in a landing slot for
     land: it landed before P's forward ended, for lazy and land as for eager (D's reservation or
     slots reached P's workers in time). Then, still held: land holds no KV block for the request
     (only landing slots: its blocks are taken at KV-complete), eager and lazy hold theirs. After
-    the release every byte lands (D's output equals the single instance's) and D holds nothing."""
-    prompt = prompt_of(LONG, 800 + LEAD_POLICIES.index(policy))
-    tid = f"lead-{policy}-{ASYNC}"
-    p_ctl, d_ctl = cluster.p_ctl, cluster.d_ctl
+    the release every byte lands (D's output equals the single instance's) and D holds nothing.
+    Through DS too (``staged``): there P writes into the landing pool whatever the policy, and
+    for eager and lazy DS's workers copied layer 0 into the KV block before layer 1 landed."""
+    prompt = prompt_of(LONG, 800 + LEAD_POLICIES.index(policy) + 10 * staged)
+    tid = f"lead-{policy}-{int(staged)}-{ASYNC}"
+    p_ctl, d_ctl = cluster.p_ctl, (cluster.ds_ctl if staged else cluster.d_ctl)
+    d_server = cluster.ds if staged else cluster.d
+    copied_before = landing_copies(d_server) if staged else 0.0
     held = p_ctl.held(1)
     p_ctl.hold(1, last_chunk=True)
-    d_ctl.probe(tid, prompt[:16], 0)
-    th, out = in_thread(cluster.pd, prompt, tid, policy, "layerwise")
+    # DS: the bytes are in a landing slot first whatever the policy; look where they go next
+    d_ctl.probe(tid, prompt[:16], 0, "cache" if staged and policy != "land" else None)
+    th, out = in_thread(cluster.pd, prompt, tid, policy, "layerwise", staged=staged)
     try:
         p_ctl.wait_held(1, held + 1)
         # P is inside its last chunk's forward: layer 0 computed, layer 1 not.
-        assert wait_for(lambda: poke(cluster.d) and d_ctl.found(tid)), \
+        assert wait_for(lambda: poke(d_server) and d_ctl.found(tid)), \
             f"{policy}: layer 0 of chunk 0 is not on D while P runs its last chunk"
         where = {f["in"] for f in d_ctl.found(tid)}
         assert where == ({"landing"} if policy == "land" else {"cache"}), (policy, d_ctl.found(tid))
@@ -320,11 +359,11 @@ def test_layer0_of_chunk0_lands_before_p_ends_its_last_chunk(cluster, policy):
         seen = {}
 
         def shown():
-            if not poke(cluster.d):
+            if not poke(d_server):
                 return False
-            text = cluster.d.metrics()
-            seen.update(blocks=cluster.d.metric("vllm:kvwire_d_held_blocks", text=text),
-                        slots=cluster.d.metric("vllm:kvwire_d_landing_slots", text=text))
+            text = d_server.metrics()
+            seen.update(blocks=d_server.metric("vllm:kvwire_d_held_blocks", text=text),
+                        slots=d_server.metric("vllm:kvwire_d_landing_slots", text=text))
             return seen["blocks"] + seen["slots"] > 0
 
         assert wait_for(shown), seen
@@ -341,7 +380,9 @@ def test_layer0_of_chunk0_lands_before_p_ends_its_last_chunk(cluster, policy):
     got, res = out["value"]
     assert "p_error" not in res, res
     assert got == cluster.single_output(prompt, 5), policy
-    assert wait_for(cluster.d_idle)
+    assert wait_for(lambda: cluster.d_idle(staged))
+    if staged and policy != "land":  # layer 0's copy was counted while layer 1 was still held
+        assert wait_for(lambda: poke(d_server) and landing_copies(d_server) > copied_before)
 
 
 def test_mooncake_connector_params_drive_it_unchanged(cluster):

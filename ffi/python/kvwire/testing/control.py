@@ -16,10 +16,11 @@ The worker reads ``$KVWIRE_STANDIN_CONTROL`` (a directory; unset: no control, no
   until P is held, check what D has, release". A ``hold.<layer>`` that reads ``last-chunk``
   holds only a step that ends a prefill begun in an earlier step (a chunked prompt's last
   chunk);
-* ``probe.json`` — ``{"id": ..., "tokens": [...], "layer": l}``: while it exists, every step
-  looks for the K/V that the first ``len(tokens)`` positions of a prompt starting with
-  ``tokens`` have in layer ``l`` (one block's worth, ``len(tokens)`` = the block size) in
-  every block of the KV cache and of the connector's landing pool, and once found appends a
+* ``probe.json`` — ``{"id": ..., "tokens": [...], "layer": l, "in": ...}``: while it exists,
+  every step looks for the K/V that the first ``len(tokens)`` positions of a prompt starting
+  with ``tokens`` have in layer ``l`` (one block's worth, ``len(tokens)`` = the block size) in
+  every block of the KV cache and of the connector's landing pool (only of the one ``in``
+  names, ``cache`` or ``landing``, when set), and once found appends a
   ``{"ev": "probe", "id": ..., "found": [{"in": "cache"|"landing", "block": b}, ...]}``
   event (once per id). So a test sees what landed on an instance while its peer is held;
 * ``events.jsonl`` — the worker appends one JSON line per event: ``{"ev": "step", "rank": r,
@@ -95,7 +96,9 @@ class WorkerControl:
         try:
             with open(os.path.join(self.dir, PROBE)) as f:
                 spec = json.load(f)
-            return {"id": str(spec["id"]), "tokens": [int(t) for t in spec["tokens"]], "layer": int(spec["layer"])}
+            where = spec.get("in")
+            return {"id": str(spec["id"]), "tokens": [int(t) for t in spec["tokens"]], "layer": int(spec["layer"]),
+                    "in": str(where) if where else None}
         except (OSError, ValueError, KeyError, TypeError):
             return None
 
@@ -144,10 +147,11 @@ class Control:
         step that ends a prefill begun in an earlier step)."""
         self._put(f"hold.{layer}", LAST_CHUNK if last_chunk else "")
 
-    def probe(self, pid: str, tokens, layer: int) -> None:
+    def probe(self, pid: str, tokens, layer: int, where: str | None = None) -> None:
         """Asks the worker to look for the K/V of ``tokens`` (a prompt's first block) in
-        ``layer``; :meth:`found` says where it saw it."""
-        self._put(PROBE, json.dumps({"id": pid, "tokens": list(tokens), "layer": layer}))
+        ``layer`` (only in ``where``, ``cache`` or ``landing``, when given); :meth:`found`
+        says where it saw it."""
+        self._put(PROBE, json.dumps({"id": pid, "tokens": list(tokens), "layer": layer, "in": where}))
 
     def _put(self, name: str, text: str) -> None:
         """Writes a control file whole (a worker never reads half of it)."""

@@ -359,6 +359,8 @@ class StandInWorker(WorkerBase):
         pool = getattr(get_kv_transfer_group(), "landing_pool", None) if has_kv_transfer_group() else None
         if pool is not None and pool(name) is not None:
             places.append(("landing", _LayerKV(pool(name), self.head_dim)))
+        if spec.get("in"):
+            places = [p for p in places if p[0] == spec["in"]]
         found = []
         for where, lkv in places:
             nb = lkv.t.shape[1] if lkv.split else lkv.t.shape[0]
