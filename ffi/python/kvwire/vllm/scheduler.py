@@ -371,6 +371,9 @@ class SchedulerSide(PeerBook, DRequests, PRequests):
             if self.c._is_consumer:
                 flat.append(({f"d_landing_copied_layers|{k}": n for k, n in self.copied_layers.items()}, {}, {}))
         counters, hists, gauges = _stats.merge(flat)
+        if self.c._is_consumer:  # every slot taken, by land and by a staged D's other policies
+            with self.lock:
+                gauges["d_landing_slots"] = self.land_slots - len(self.land_free)
         st = KvwireConnectorStats(data=self.deltas.delta(counters, hists, gauges))
         return None if st.is_empty() else st
 

@@ -53,7 +53,7 @@ SERIES: dict[str, tuple] = {
     "d_held_blocks": ("gauge", "kvwire_d_held_blocks", (), "D blocks reserved and waiting for KV now."),
     "d_held_block_seconds": ("gauge", "kvwire_d_held_block_seconds", (),
                              "Block-seconds held so far by the reservations still waiting."),
-    "d_landing_slots": ("gauge", "kvwire_d_landing_slots", (), "D landing-pool slots held now (land)."),
+    "d_landing_slots": ("gauge", "kvwire_d_landing_slots", (), "D landing-pool slots held now (land, and a staged D's requests)."),
     "d_landing_copied_layers": ("counter", "kvwire_d_landing_copied_layers", ("when",),
                                 "Request layers D's workers copied out of the landing pool: while later "
                                 "layers were still landing (landing), or once all had landed (complete)."),

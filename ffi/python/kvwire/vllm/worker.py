@@ -165,7 +165,7 @@ class WorkerSide:
         self.regions: dict[str, Any] = {}
         self.shape: dict[str, tuple] = {}  # name -> (halves, num_blocks, block_bytes)
         self.caches: dict[str, Any] = {}
-        self.landing: dict[str, Any] = {}  # name -> landing-pool tensor (D, policy land)
+        self.landing: dict[str, Any] = {}  # name -> landing-pool tensor (D: land, or a staged D)
         self.land: LandingCopies | None = None  # its copies into the caches
         self.peers: dict[str, Any] = {}
         self.lock = threading.RLock()
