@@ -20,7 +20,8 @@
 #      shm, every round verified byte for byte.
 #   3. tests/gpu/test_staging_cuda.py (the kvwire wheel from PREBUILT, torch from the machine):
 #      the connector's staging with CUDA KV caches: P's gather copy ordered after the layer's
-#      kernels (sent without a synchronize), D's landing copy reported only once complete; and
+#      kernels (sent without a synchronize), D's landing copy reported only once complete, D's
+#      landing pool copied into the CUDA cache layer by layer after the compute stream's work; and
 #      the CUDA tests of tests/python/test_engine_layer.py (a CUDA tensor as a layer-stream
 #      source from Python, every byte checked); tests/gpu/test_cuda_ipc.py: the cuda_ipc
 #      transport from Python (CUDA tensors of two processes registered as device regions,

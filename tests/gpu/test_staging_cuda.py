@@ -6,7 +6,8 @@ branch that the CPU tests check only against a stand-in. Run by tests/gpu/run.sh
   blocks are sent at once, without a synchronize: the gather copy must wait for the layer's
   event, or it reads the cache before the compute wrote it.
 * D: writes land in the pinned host mirror, are copied to the device cache by ``land``, and the
-  request is reported only after that copy completed.
+  request is reported only after that copy completed; from a bounded landing pool
+  (kvwire.vllm.landing), one layer at a time, each copy after the compute stream's work.
 * Every byte compared with the source, at both ends, K and V.
 """
 
@@ -27,6 +28,10 @@ staging = importlib.util.module_from_spec(_spec)
 sys.modules[_spec.name] = staging  # dataclasses look their module up there
 _spec.loader.exec_module(staging)
 Staging = staging.Staging
+_lspec = importlib.util.spec_from_file_location(
+    "kvwire_vllm_landing", os.path.join(os.path.dirname(kvwire.__file__), "vllm", "landing.py"))
+landing = importlib.util.module_from_spec(_lspec)
+_lspec.loader.exec_module(landing)
 
 if not torch.cuda.is_available():
     if os.environ.get("KVWIRE_REQUIRE_GPU") == "1":
@@ -130,6 +135,35 @@ def test_landing_into_a_cuda_cache_reports_after_the_copy(pair):
     exp[:, blocks] = data[:, blocks]
     assert torch.equal(dev.cpu(), exp)
 
+
+
+def test_landing_pool_copies_layer_by_layer_into_a_cuda_cache():
+    """D's bounded landing pool (pinned host memory) copied into a CUDA cache one layer at a time,
+    as the layers land: the compute stream writes the target blocks after a long chain of
+    kernels, and the copy, ordered after that work, overwrites them; the request stays busy until
+    the copy's event completed; the other layer is untouched until its own copy."""
+    dev = staging.DeviceCopies(DEV)
+    names = ["l0", "l1"]
+    caches = {n: cuda_cache() for n in names}
+    pools = {n: dev.host((2, 8, TOK, HEADS, DIM), torch.float16) for n in names}
+    for i, n in enumerate(names):
+        pools[n].copy_(torch.rand(pools[n].shape, generator=torch.Generator().manual_seed(10 + i)).to(torch.float16))
+    land = landing.LandingCopies(dev, names, caches, pools, {n: 2 for n in names})
+    slots, blocks = [0, 1, 2, 5], [40, 41, 7, 63]
+    for li, n in enumerate(names):
+        busy()
+        caches[n][:, blocks] = 1.0  # the compute stream's last write to these blocks, late
+        land.copy("r", slots, blocks, [li])
+        for _ in range(10**7):
+            if not land.busy("r"):
+                break
+        assert not land.busy("r") and land.idle
+        torch.cuda.synchronize()
+        assert torch.equal(caches[n][:, blocks].cpu(), pools[n][:, slots]), n
+        for later in names[li + 1:]:
+            assert not caches[later].any().item(), later
+    assert land.stats == {"copies": 2, "layers": 2, "failed": 0}
+    dev.close()
 
 
 def test_staging_memory_is_counted_as_pinned(pair):
