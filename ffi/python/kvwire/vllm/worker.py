@@ -274,7 +274,6 @@ class WorkerSide:
 
     # ---- per step ----
     def start_load_kv(self, meta):
-        self.sched = meta.scheduler_control or self.sched
         if meta.fences:
             self._fence(meta.fences)
         for addr in getattr(meta, "unfences", None) or []:
