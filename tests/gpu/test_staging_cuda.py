@@ -5,9 +5,9 @@ branch that the CPU tests check only against a stand-in. Run by tests/gpu/run.sh
 * P: a layer is computed on the current stream (a long chain of kernels, then the fill), and its
   blocks are sent at once, without a synchronize: the gather copy must wait for the layer's
   event, or it reads the cache before the compute wrote it.
-* D: writes land in the pinned host mirror, are copied to the device cache by ``land``, and the
-  request is reported only after that copy completed; from a bounded landing pool
-  (kvwire.vllm.landing), one layer at a time, each copy after the compute stream's work.
+* D: writes land in the pinned host mirror or in a bounded landing pool, and are copied into
+  the device cache one layer at a time (kvwire.vllm.landing), each copy after the compute
+  stream's work; the request is busy until the copy completed.
 * Every byte compared with the source, at both ends, K and V.
 """
 
@@ -124,12 +124,12 @@ def test_landing_into_a_cuda_cache_reports_after_the_copy(pair):
     ops = [(pr, (h * BLOCKS + b) * BB, remote, (h * BLOCKS + b) * BB, BB) for b in blocks for h in range(2)]
     pe.write(peer, ops).wait(30.0)
     assert not dev.any().item()  # landed in the mirror only
-    st.land({"r"}, {"r": blocks})
-    for _ in range(100000):
-        got = st.landed()
-        if got[0]:
+    land = landing.LandingCopies(st.dev, ["l0"], {"l0": dev}, {}, {"l0": 2}, st.mirrors)
+    land.copy("r", None, blocks, [0])
+    for _ in range(10**7):
+        if not land.busy("r"):
             break
-    assert got == ({"r"}, set())
+    assert not land.busy("r") and land.take_failed("r") == set()
     torch.cuda.synchronize()
     exp = torch.zeros_like(data)
     exp[:, blocks] = data[:, blocks]

@@ -590,7 +590,7 @@ def test_abort_after_the_kv_landed_frees_once(pair, when):
     * ``recv_emitted``: this step's metadata lists it in finished_recving, vLLM has not seen the
       workers' report yet (the abort comes in between, as with vLLM's batch queue);
     * ``recv_seen``: vLLM took the workers' finished_recving, it has not scheduled the request;
-    * ``landing``: D stages (``staging: always``) and the mirror→cache copy is still running.
+    * ``landing``: D stages (``staging: always``) and a mirror→cache copy is still running.
     vLLM frees the blocks on one report of a finished request (finished_recving or
     finished_sending) and asserts that a second one names a request it still has, so each
     ordering must end with the blocks freed exactly once, no assertion, D's pool whole, no request
@@ -651,7 +651,8 @@ def test_abort_after_the_kv_landed_frees_once(pair, when):
             d.step()
             p.step()
         assert d.free_blocks() == full - 3 and not freed  # the copy may still write into them
-        events[0].synchronize()  # the copy completes
+        for ev in events:  # the copies complete
+            ev.synchronize()
     assert run_until(lambda: not d.sched.requests and not p.sched.requests, d.step, p_step)
     for _ in range(3):  # a report still due comes out (a second one asserts in vLLM)
         d.step()
@@ -665,7 +666,7 @@ def test_abort_after_the_kv_landed_frees_once(pair, when):
     assert not any('"outcome":"failed"' in r for r in timeline(p))  # P's side ended normally
     if when == "landing":
         st = d.worker._worker.stager
-        assert st.idle and not st.landing and not st.held
+        assert st.idle and d.worker._worker.land.idle
 
 
 def test_rdma_near_option_picks_the_workers_gpu():

@@ -39,8 +39,8 @@ def test_staged_pool_options():
 vllm = pytest.importorskip("vllm", reason="vLLM not installed in this venv (run tests/python/setup.sh)")
 
 from vllm_harness import (  # noqa: E402,F401 (mdir and pair: fixtures)
-    LAYERS, MAX_STEPS, RequestStatus, assert_no_leak, d_request, empty, holds, kv_pattern, mdir, p_fill,
-    p_request, pair, run_until, timeline)
+    LAYERS, RequestStatus, assert_no_leak, d_request, empty, hold_layer, holds, layer_empty, layer_holds, mdir,
+    p_fill, p_request, pair, record_copies, run_until, timeline)
 
 #: Bytes of one block over both layers (K and V): 2 x 16 tokens x 2 heads x 8 x float32, x 2 layers.
 BLOCK_ALL_LAYERS = 2 * 16 * 2 * 8 * 4 * len(LAYERS)
@@ -61,47 +61,6 @@ def landing(d):
 
 def staged(policy, slots, **kw):
     return {"policy": policy, "staging": "always", "staging_mb": pool_mb(slots), **kw}
-
-
-def layer_holds(t, rid, li, block_ids):
-    """Whether layer ``li`` of ``t`` holds P's bytes of ``rid`` in ``block_ids`` (K and V)."""
-    return all(torch.equal(t[LAYERS[li]][:, b], kv_pattern(rid, li, i)) for i, b in enumerate(block_ids))
-
-
-def layer_empty(t, li, block_ids):
-    return not any(t[LAYERS[li]][:, b].any() for b in block_ids)
-
-
-def record_copies(d):
-    """Logs ``(req, layers)`` of every landing copy D's worker starts."""
-    land, seen = landing(d), []
-    real = land.copy
-
-    def copy(req, slots, blocks, layers=None):
-        seen.append((req, None if layers is None else list(layers)))
-        return real(req, slots, blocks, layers)
-
-    land.copy = copy
-    return seen
-
-
-def hold_layer(p, layer):
-    """P posts no write of ``layer`` until the returned ``release()``: D cannot see it land."""
-    w = p.worker._worker
-    real, on = w._pump, [True]
-
-    def pump(s, li):
-        if not (on[0] and li == layer):
-            real(s, li)
-
-    def release():
-        on[0] = False
-        with w.lock:
-            for s in list(w.sends.values()):
-                real(s, layer)
-
-    w._pump = pump
-    return release
 
 
 @pytest.mark.parametrize("send_mode", ["whole", "layerwise"])
@@ -143,12 +102,13 @@ def test_staged_d_lands_in_a_pool_an_eighth_of_its_cache(pair, send_mode, asked)
     assert d_registered(d) == reg
 
 
+@pytest.mark.parametrize("d_landing", ["pool", "mirror"])
 @pytest.mark.parametrize("policy", ["lazy", "eager"])
-def test_each_layer_is_copied_as_soon_as_it_lands(pair, policy):
-    """P's last layer is held back: D has already copied layer 0 from the pool into the request's
-    KV blocks (and nothing of layer 1), and the request waits. Once the layer is released, only
-    it is copied, and the request is reported with every byte."""
-    d, p = pair(staged(policy, 8), {"send_mode": "layerwise"})
+def test_each_layer_is_copied_as_soon_as_it_lands(pair, policy, d_landing):
+    """P's last layer is held back: D has already copied layer 0 from the pool (or the mirror)
+    into the request's KV blocks (and nothing of layer 1), and the request waits. Once the layer
+    is released, only it is copied, and the request is reported with every byte."""
+    d, p = pair(staged(policy, 8, d_landing=d_landing), {"send_mode": "layerwise"})
     copies = record_copies(d)
     release = hold_layer(p, len(LAYERS) - 1)
     dreq = d_request("lw", p)
@@ -170,7 +130,9 @@ def test_each_layer_is_copied_as_soon_as_it_lands(pair, policy):
     assert run_until(lambda: dreq.is_finished() and not p.sched.requests, lambda: p.step(p_fill), d.step)
     assert_no_leak(d)
     assert_no_leak(p)
-    assert sorted(d.conn._sched.land_free) == list(range(8))
+    sched = d.conn._sched
+    assert sorted(sched.land_free) == list(range(sched.land_slots))
+    assert sched.copied_layers == {"landing": 1, "complete": 1}
 
 
 def test_reported_only_once_the_last_copy_completed(pair):

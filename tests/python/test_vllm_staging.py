@@ -1,8 +1,8 @@
 """KvwireConnector with staged KV caches (kvwire.vllm.staging), on CPU: ``staging: always`` makes
 a CPU KV cache take the path a CUDA cache takes (P: gathered into a bounded host pool, written
 from there; D, ``d_landing: mirror``: a host landing mirror registered in place of the cache,
-copied to the cache before the request is reported), with synchronous copies instead of stream
-copies. Unit tests of the pool and of the staged sends and landings over real kvwire engines,
+each layer copied into the cache as it lands, the request reported once the copies completed),
+with synchronous copies instead of stream copies. Unit tests of the pool and of the staged sends and landings over real kvwire engines,
 then the whole path in vLLM's real v1 Scheduler (the harness), every byte of D's cache checked
 against P's. D's bounded landing pool (``d_landing: pool``) is in test_vllm_landing.py."""
 
@@ -15,6 +15,7 @@ torch = pytest.importorskip("torch", reason="torch not installed in this venv (r
 
 import kvwire  # noqa: E402
 from kvwire.vllm import staging  # noqa: E402
+from kvwire.vllm.landing import LandingCopies  # noqa: E402
 from kvwire.vllm.staging import ALIGN, PoolAllocator, Staging, runs  # noqa: E402
 from cuda_standin import StandInCuda, defer_copies  # noqa: E402
 
@@ -206,17 +207,25 @@ def test_failed_gather_copy_frees_its_chunk(engines):
     assert st.idle and st.pool.free == [[0, st.pool.capacity]]
 
 
-def test_failed_landing_copy_fails_the_request(engines):
-    dev = cache(8)
+def mirrored(engines, n=8):
+    """D's staging of one CPU cache layer of ``n`` blocks with a landing mirror: ``(staging,
+    cache, the region offered to P, the copies from the mirror into the cache)``."""
+    dev = cache(n)
     st = Staging(engines(), torch.device("cpu"), 1 << 20, producer=False, consumer=True)
-    st.add_layer("l0", dev, 2, 8, BB)
+    region = st.add_layer("l0", dev, 2, n, BB)
+    return st, dev, region, LandingCopies(st.dev, ["l0"], {"l0": dev}, {}, {"l0": 2}, st.mirrors)
+
+
+def test_failed_landing_copy_fails_the_request(engines):
+    st, dev, _, land = mirrored(engines)
 
     def broken(after, pairs):
         raise RuntimeError("injected: device copy failed")
 
     st.dev.copy = broken
-    st.land({"r", "s"}, {"r": [1, 2], "s": [5]})
-    assert st.landed() == ({"r", "s"}, {1, 2, 5})  # reported, its blocks through the load-error path
+    land.copy("r", None, [1, 2])
+    assert not land.busy("r") and land.take_failed("r") == {1, 2}  # through the load-error path
+    assert land.stats["failed"] == 1 and not dev.any()
 
 
 def test_bad_source_block_is_refused(engines):
@@ -236,9 +245,7 @@ def test_pool_smaller_than_a_block_is_refused(engines):
 
 def test_landing_copies_mirror_to_device_before_reporting(engines):
     de, pe = engines(), engines()
-    dev = cache(8)
-    st = Staging(de, torch.device("cpu"), 1 << 20, producer=False, consumer=True)
-    region = st.add_layer("l0", dev, 2, 8, BB)
+    st, dev, region, land = mirrored(lambda: de)
     assert region is not None and region.len == dev.numel() * 4  # the mirror: the cache's layout
     # pageable on CPU (pinned with a CUDA cache: tests/gpu/test_staging_cuda.py)
     assert de.metrics()["region_bytes_by_kind"] == {"engine": 0, "host": dev.numel() * 4, "pinned": 0, "device": 0}
@@ -250,26 +257,29 @@ def test_landing_copies_mirror_to_device_before_reporting(engines):
     pe.write(peer, ops).wait()  # what P writes lands in the mirror, not in the cache
     assert not dev.any() and torch.equal(st.layers["l0"].mirror[:, 2:4], data[:, 2:4])
     events = defer_copies(st, polls=2)
-    st.land({"r"}, {"r": [6, 2, 3]})
-    assert st.landed() == (set(), set())  # the copy has not completed: not reported
-    assert not dev.any()
+    land.copy("r", None, [6, 2, 3], [0])
+    assert land.busy("r") and not dev.any()  # the copy has not completed: not reported
     for _ in range(MAX_STEPS):
-        got = st.landed()
-        if got[0]:
+        if not land.busy("r"):
             break
-    assert got == ({"r"}, set()) and events[0].done
+    assert not land.busy("r") and events[0].done and land.take_failed("r") == set()
     want = torch.zeros_like(dev)
     want[:, [2, 3, 6]] = data[:, [2, 3, 6]]
     assert torch.equal(dev, want)
     del st.dev.copy  # copies complete at once again
-    st.land({"x"}, {"x": [2, 8]})  # 8 is outside the cache: the request fails, nothing is copied
-    assert st.landed() == ({"x"}, {2}) and torch.equal(dev, want)
+    # 8 is outside the cache, layer 1 does not exist, and there is no pool: refused, nothing copied
+    land.copy("x", None, [2, 8])
+    land.copy("y", None, [2], [1])
+    land.copy("z", [0], [2])
+    assert [land.take_failed(r) for r in "xyz"] == [{2, 8}, {2}, {2}]
+    assert torch.equal(dev, want) and land.idle and land.stats == {"copies": 1, "layers": 1, "failed": 0}
 
 
 def test_cuda_branch_orders_copies_after_the_compute_stream(engines, monkeypatch):
     """The CUDA branch against a stand-in torch.cuda: a send records an event on the current
     (compute) stream; the gather runs on the side stream after waiting for it, then records the
-    done event, which is queried before the chunk is written. A landing likewise."""
+    done event, which is queried before the chunk is written. (D's landing copies, the same way:
+    test_vllm_device.py.)"""
     fake = StandInCuda()
     monkeypatch.setattr(staging, "cuda", fake)
     st, src, dst, peer, remote = sender(engines, pool_blocks=4)
@@ -280,17 +290,8 @@ def test_cuda_branch_orders_copies_after_the_compute_stream(engines, monkeypatch
     assert torch.equal(dst[:, 3:6], src[:, [1, 2, 7]])
     assert fake.log[:6] == [("record", "compute", "e1"), ("enter", "side"), ("wait", "side", "e1"),
                             ("record", "side", "e2"), ("exit", "side"), ("query", "e2")]
-    fake.log.clear()
-    dev = cache(8)
     ld = Staging(engines(), torch.device("cpu"), 1 << 20, producer=False, consumer=True)
-    ld.add_layer("l0", dev, 2, 8, BB)
-    ld.layers["l0"].mirror.copy_(cache(8, fill=5))
     ld.dev = staging.DeviceCopies(torch.device("cuda", 0))
-    ld.land({"r"}, {"r": [0, 1, 4]})
-    assert fake.log == [("record", "compute", "e3"), ("enter", "side"), ("wait", "side", "e3"),
-                        ("record", "side", "e4"), ("exit", "side")]
-    assert ld.landed() == ({"r"}, set()) and fake.log[-1] == ("query", "e4")
-    assert torch.equal(dev[:, [0, 1, 4]], ld.layers["l0"].mirror[:, [0, 1, 4]]) and not dev[:, [2, 3, 5, 6, 7]].any()
     # Host memory: zeroed, pinned with cudaHostRegister (exact size), unpinned at close.
     fake.log.clear()
     h = ld.dev.host((3, 5), torch.float16)
@@ -306,29 +307,38 @@ vllm = pytest.importorskip("vllm", reason="vLLM not installed in this venv (run 
 
 from vllm_harness import (  # noqa: E402,F401 (mdir and pair: fixtures)
     LAYERS, MAX_STEPS, PEER_TIMEOUT, RequestStatus, Side, assert_no_leak, d_request, empty, holds,
-    kv_pattern, mdir, p_fill, p_request, pair, run_until, timeline, wait_for)
+    kv_pattern, layer_empty, layer_holds, mdir, p_fill, p_request, pair, run_until, timeline, wait_for)
 
 
 def stager(side):
     return side.worker._worker.stager
 
 
+def landing(side):
+    return side.worker._worker.land
+
+
 def watch_landing(d, rid):
-    """Checks, when D's worker starts the landing of ``rid``, that its cache does not hold the
-    bytes yet while the mirror does; returns the list of landings seen."""
-    st = stager(d)
-    real = st.land
-    seen = []
+    """Logs ``(from the mirror, layers, ok)`` of each copy of ``rid`` D's worker starts; ``ok``:
+    the cache holds none of those layers' bytes yet while the mirror holds all of them."""
+    land, seen = landing(d), []
+    real, mirrors = land.copy, stager(d).mirrors
 
-    def land(reqs, block_ids):
-        if f"d/{rid}" in reqs:
-            ids = block_ids[f"d/{rid}"]
-            mirrors = {n: lay.mirror for n, lay in st.layers.items()}
-            seen.append((empty(d.kv, ids), holds(mirrors, rid, ids)))
-        return real(reqs, block_ids)
+    def copy(req, slots, blocks, layers=None):
+        if req == f"d/{rid}":
+            idx = list(range(len(LAYERS)) if layers is None else layers)
+            ok = all(layer_empty(d.kv, li, blocks) and layer_holds(mirrors, rid, li, blocks) for li in idx)
+            seen.append((slots is None, idx, ok))
+        return real(req, slots, blocks, layers)
 
-    st.land = land
+    land.copy = copy
     return seen
+
+
+def all_copied(events):
+    """Completes every deferred copy (see ``defer_copies``)."""
+    for ev in events:
+        ev.synchronize()
 
 
 SIDES = {"p": ({}, {"staging": "always", "staging_mb": 1, "d_landing": "mirror"}),
@@ -338,7 +348,7 @@ SIDES = {"p": ({}, {"staging": "always", "staging_mb": 1, "d_landing": "mirror"}
 
 @pytest.mark.parametrize("where", list(SIDES))
 @pytest.mark.parametrize("send_mode", ["whole", "layerwise"])
-@pytest.mark.parametrize("policy", ["eager", "lazy", "jit"])
+@pytest.mark.parametrize("policy", ["eager", "lazy", "jit", "land"])
 def test_staged_end_to_end(pair, where, policy, send_mode):
     d_extra, p_extra = SIDES[where]
     d, p = pair({"policy": policy, **d_extra}, {"send_mode": send_mode, **p_extra})
@@ -359,11 +369,15 @@ def test_staged_end_to_end(pair, where, policy, send_mode):
     assert run_until(lambda: dreq.status == RequestStatus.RUNNING, lambda: p.step(p_fill), d_step)
     assert len(reserved) == 3
     assert holds(d.kv, "s1", reserved)  # D's cache itself (not the mirror): every byte, K and V
-    if landings is not None:
-        # When the landing started, the mirror held every byte and the cache none: the landing
-        # copy is what put them in the cache, before the request was reported.
-        assert landings == [(True, True)]
-        assert stager(d).stats["landed"] == 1
+    if landings is not None and policy == "land":
+        # land lands in its pool, not the mirror: one copy of every layer from its slots
+        assert [(mirror, idx) for mirror, idx, _ in landings] == [(False, [0, 1])]
+    elif landings is not None:
+        # Each layer was copied once, from the mirror, which held its bytes while the cache held
+        # none: the copies are what put them in the cache, before the request was reported.
+        assert all(mirror and ok for mirror, _, ok in landings)
+        assert sorted(li for _, idx, _ in landings for li in idx) == list(range(len(LAYERS)))
+        assert landing(d).stats["layers"] == len(LAYERS)
     if stager(p) is not None:
         assert stager(p).stats["pieces"] == len(LAYERS)  # one piece per layer transfer
         assert stager(p).stats["staged_bytes"] == len(LAYERS) * 3 * 2 * 16 * 2 * 8 * 4
@@ -373,8 +387,9 @@ def test_staged_end_to_end(pair, where, policy, send_mode):
     assert_no_leak(p)
     for s in (d, p):
         if stager(s) is not None:
-            assert stager(s).idle and not stager(s).landing
-
+            assert stager(s).idle
+    if landings is not None:
+        assert landing(d).idle
 
 def test_staged_kv_both(pair):
     """kv_both on both sides, both staged: every worker has a pool and mirrors, and only the
@@ -391,7 +406,7 @@ def test_staged_kv_both(pair):
     assert run_until(lambda: dreq.status == RequestStatus.RUNNING, lambda: p.step(p_fill), d.step)
     ids = d.sched.kv_cache_manager.get_block_ids("d/s5")[0]
     assert holds(d.kv, "s5", ids)
-    assert stager(p).stats["pieces"] == len(LAYERS) and stager(d).stats["landed"] == 1
+    assert stager(p).stats["pieces"] == len(LAYERS) and landing(d).stats["layers"] == len(LAYERS)
     assert run_until(lambda: dreq.is_finished() and not p.sched.requests, lambda: p.step(p_fill), d.step)
     assert_no_leak(d)
     assert_no_leak(p)
@@ -425,7 +440,7 @@ def test_staged_tp2(mdir, d_landing):
                 for i, b in enumerate(ids):
                     assert torch.equal(d.kvs[r][name][:, b], kv_pattern("s7", li, i, r, d.heads)), (r, name, i)
         if d_landing == "mirror":
-            assert [w._worker.stager.stats["landed"] for w in d.workers] == [1, 1]
+            assert [w._worker.land.stats["layers"] for w in d.workers] == [len(LAYERS)] * 2
         else:  # both ranks' pools, the same slots: the scheduler gave them all back
             assert all(not w._worker.stager.consumer and w._worker.landing for w in d.workers)
             assert sorted(d.conn._sched.land_free) == list(range(d.conn._sched.land_slots))
@@ -439,8 +454,9 @@ def test_staged_tp2(mdir, d_landing):
 
 
 def test_landing_is_reported_only_once_its_copy_completed(pair):
-    """D's mirror→cache copy completes late (as a CUDA stream copy does): the request stays
-    WAITING_FOR_REMOTE_KVS, its cache blocks empty, until the copy's event says done."""
+    """D's mirror→cache copies complete late (as CUDA stream copies do): the request stays
+    WAITING_FOR_REMOTE_KVS until every copy's event says done, its cache blocks empty until the
+    first does."""
     d, p = pair({"policy": "lazy", "staging": "always", "staging_mb": 1, "d_landing": "mirror"}, {"send_mode": "whole"})
     events = defer_copies(stager(d), polls=4)
     dreq = d_request("s2", p)
@@ -450,12 +466,12 @@ def test_landing_is_reported_only_once_its_copy_completed(pair):
     assert run_until(lambda: events, lambda: p.step(p_fill), d.step)  # the landing started
     ids = d.sched.kv_cache_manager.get_block_ids("d/s2")[0]
     waited = 0
-    while not events[0].done and waited < MAX_STEPS:
+    while not all(ev.done for ev in events) and waited < MAX_STEPS:
         assert dreq.status == RequestStatus.WAITING_FOR_REMOTE_KVS
-        assert empty(d.kv, ids)
+        assert any(ev.done for ev in events) or empty(d.kv, ids)
         d.step()
         waited += 1
-    assert waited >= 2  # the report waited for the copy across steps
+    assert waited >= 2  # the report waited for the copies across steps
     assert run_until(lambda: dreq.status == RequestStatus.RUNNING, d.step)
     assert holds(d.kv, "s2", ids)
 
@@ -477,32 +493,26 @@ def test_abort_while_landing_frees_the_blocks_after_the_copy(pair):
         d.step()
         p.step()
     assert d.free_blocks() == full - 3  # held: the copy may still write into them
-    events[0].synchronize()  # the copy completes
+    all_copied(events)
     assert run_until(lambda: not d.sched.requests and not p.sched.requests, d.step, p.step)
     assert_no_leak(d)
     assert_no_leak(p)
-    assert stager(d).idle and not stager(d).held
+    assert stager(d).idle and landing(d).idle
 
 
 def test_without_the_landing_copy_the_cache_stays_empty(pair):
-    """The landing copy is what moves the bytes: with it disabled, D never reports the request
-    and its cache blocks stay empty although every byte is in the mirror."""
+    """The landing copies are what move the bytes: with them disabled, every byte is in the
+    mirror and the cache blocks stay empty, through the request's report and after it."""
     d, p = pair({"policy": "lazy", "staging": "always", "staging_mb": 1, "d_landing": "mirror"}, {})
-    st = stager(d)
-    st.land = lambda reqs, block_ids: None
+    landing(d).copy = lambda req, slots, blocks, layers=None: None
     dreq = d_request("s3", p)
     d.sched.add_request(dreq)
     d.step()
     p.sched.add_request(p_request("s3", d))
     assert run_until(lambda: dreq.status == RequestStatus.WAITING_FOR_REMOTE_KVS, lambda: p.step(p_fill), d.step)
     ids = d.sched.kv_cache_manager.get_block_ids("d/s3")[0]
-    mirrors = {n: lay.mirror for n, lay in st.layers.items()}
-    assert run_until(lambda: holds(mirrors, "s3", ids), lambda: p.step(p_fill), d.step)
-    for _ in range(5):
-        d.step()
-        p.step()
-    assert dreq.status == RequestStatus.WAITING_FOR_REMOTE_KVS
-    assert empty(d.kv, ids)
+    assert run_until(lambda: dreq.status == RequestStatus.RUNNING, lambda: p.step(p_fill), d.step)
+    assert holds(stager(d).mirrors, "s3", ids) and empty(d.kv, ids)
 
 
 @pytest.mark.parametrize("send_mode", ["whole", "layerwise"])
@@ -555,7 +565,7 @@ def test_failed_staged_write_takes_the_load_error_path(pair, at):
     assert dreq.status != RequestStatus.RUNNING
     assert st.engine.writes >= 1 and st.stats["failed"] >= 1  # the staged write was tried, and failed
     assert set(reserved) <= d.invalid
-    assert empty(d.kv, reserved) and stager(d).stats["landed"] == 0
+    assert empty(d.kv, reserved) and landing(d).stats["layers"] == 0
     assert run_until(lambda: not p.sched.requests, lambda: p.step(p_fill), d.step)
     assert_no_leak(d)
     assert_no_leak(p)

@@ -380,6 +380,47 @@ def empty(t, block_ids):
     return not any(t[name][:, b].any() for name in LAYERS for b in block_ids)
 
 
+def layer_holds(t, rid, li, block_ids):
+    """Whether layer ``li`` of ``t`` holds P's bytes of ``rid`` in ``block_ids`` (K and V)."""
+    return all(torch.equal(t[LAYERS[li]][:, b], kv_pattern(rid, li, i)) for i, b in enumerate(block_ids))
+
+
+def layer_empty(t, li, block_ids):
+    return not any(t[LAYERS[li]][:, b].any() for b in block_ids)
+
+
+def record_copies(d):
+    """Logs ``(req, layers)`` of every landing copy D's worker starts."""
+    land, seen = d.worker._worker.land, []
+    real = land.copy
+
+    def copy(req, slots, blocks, layers=None):
+        seen.append((req, None if layers is None else list(layers)))
+        return real(req, slots, blocks, layers)
+
+    land.copy = copy
+    return seen
+
+
+def hold_layer(p, layer):
+    """P posts no write of ``layer`` until the returned ``release()``: D cannot see it land."""
+    w = p.worker._worker
+    real, on = w._pump, [True]
+
+    def pump(s, li):
+        if not (on[0] and li == layer):
+            real(s, li)
+
+    def release():
+        on[0] = False
+        with w.lock:
+            for s in list(w.sends.values()):
+                real(s, layer)
+
+    w._pump = pump
+    return release
+
+
 def assert_no_leak(side):
     assert side.free_blocks() == side.num_blocks - 1, "blocks leaked"
     assert not side.sched.requests, "requests left in the scheduler"
@@ -387,5 +428,6 @@ def assert_no_leak(side):
 
 __all__ = ["Side", "open_pair", "make_request", "kv_pattern", "p_fill", "free_port", "model_dir", "RequestStatus", "LAYERS",
            "MAX_STEPS", "PEER_TIMEOUT", "d_request", "p_request", "run_until", "assert_no_leak", "wait_for",
+           "layer_holds", "layer_empty", "record_copies", "hold_layer",
            "sched_side", "d_core", "p_core", "p_delayed", "d_delayed", "timeline", "WAIT_S", "introduce", "holds",
            "empty", "mdir", "pair"]

@@ -67,16 +67,14 @@ class KvwireConnectorMetadata(KVConnectorMetadata):
 
     # D: requests whose KV fully landed (-> finished_recving).
     finished_recving: set = field(default_factory=set)
-    # D: their block ids (a staged worker copies them from its landing mirror to the device).
-    recv_block_ids: dict = field(default_factory=dict)
     # D: failed requests -> their block ids that did not load.
     failed_recving: dict = field(default_factory=dict)
     # Either side: delayed block frees that may now happen (-> finished_sending).
     finished_sending: set = field(default_factory=set)
     # P: prefill chunks computed in this step: (req, key, lo, hi, prompt, block ids, mode, last).
     p_chunks: list = field(default_factory=list)
-    # D's landing pool: req -> (slots, KV blocks, layers or None for all) to copy, before the
-    # request is reported (kvwire.vllm.landing).
+    # D's landing pool or mirror: req -> (slots, or None for the mirror's same blocks; KV blocks;
+    # layers, or None for all) to copy before the request is reported (kvwire.vllm.landing).
     land_copies: dict = field(default_factory=dict)
     # D: data addresses of P engines whose writes must be refused from now on.
     fences: list = field(default_factory=list)
@@ -110,11 +108,14 @@ class KvwireConnector(KVConnectorBase_V1, compat.SupportsHMA):
         self._is_consumer = kt.kv_role in ("kv_consumer", "kv_both")
         self._tp = compat.tp_size(vllm_config)
         # A staged D lands every request in a bounded pool (staging, landing): its slots, the
-        # same for the scheduler and every worker; None otherwise.
+        # same for the scheduler and every worker; None otherwise. Or (d_landing: mirror) in a
+        # host mirror of its whole cache, the same block ids.
         self._d_pool = None
         mode, pool_bytes = _staging.parse_options(extra)
         device = getattr(getattr(vllm_config, "device_config", None), "device_type", "cuda")
-        if self._is_consumer and _staging.d_landing(extra) == "pool" and _staging.wanted(mode, [device]):
+        staged_d = self._is_consumer and _staging.wanted(mode, [device])
+        self._d_mirror = staged_d and _staging.d_landing(extra) == "mirror"
+        if staged_d and _staging.d_landing(extra) == "pool":
             kcc = getattr(self, "_kv_cache_config", None) or kv_cache_config
             self._d_pool = _staging.pool_slots(extra, pool_bytes, _staging.block_bytes(kcc))
         self._sched = self._worker = None

@@ -60,7 +60,7 @@ class _DReq:
 class DRequests:
     """D's side of the scheduler hooks (see the module docstring)."""
 
-    def _init_d(self, land_pool_blocks: int, staged_pool: bool = False) -> None:
+    def _init_d(self, land_pool_blocks: int, staged_pool: bool = False, staged_mirror: bool = False) -> None:
         self.d_reqs: dict[str, _DReq] = {}
         self.d_by_key: dict[int, _DReq] = {}
         # D's landing pool (policy land): free slot ids
@@ -70,6 +70,9 @@ class DRequests:
         # kvwire.vllm.landing); a land request the pool cannot take now waits here for slots
         # (FIFO: (key, blocks)) instead of falling back; any other waits for its reservation
         self.staged_pool = staged_pool
+        # A staged D with a landing mirror: P writes into the mirror's copy of the KV blocks, and
+        # each landed layer is copied from it into the same blocks (kvwire.vllm.landing)
+        self.staged_mirror = staged_mirror
         self.land_waiting: list[tuple[int, int]] = []
         # req -> slots to free when the workers report the request (its copies are done)
         self.slots_at_report: dict[str, list] = {}
@@ -358,13 +361,14 @@ class DRequests:
                 st.slots = None
         elif isinstance(a, kcore.ReportFinished):
             if st is not None:
-                if st.bounce and st.kv_blocks is not None:  # the layers not yet copied, copied now
+                src = self._copied_as_landed(st)
+                if src is not None:  # the layers not yet copied, copied now
                     rest = set(core.landed_layers(a.req)) - st.copied
                     st.copied |= rest
                     self.copied_layers["complete"] += len(rest)
                     done = self.out_land.get(st.req)
                     layers = sorted(rest | set(done[2] if done else ()))
-                    self.out_land[st.req] = (list(st.slots), list(st.kv_blocks), layers)
+                    self.out_land[st.req] = (*src, layers)
                 elif st.slots is not None:  # land: the workers copy the slots into the blocks first
                     st.own_slots = True
                     self.copied_layers["complete"] += len(core.landed_layers(a.req))
@@ -400,21 +404,31 @@ class DRequests:
                 # It may still be alive: refused until a new incarnation of it shows up.
                 self.fenced[eid] = addrs
 
-    @staticmethod
-    def _kv_blocks(st: _DReq) -> list:
-        """vLLM's KV blocks of a reserved request (the core holds slots for a bounce one)."""
-        return list(st.kv_blocks) if st.kv_blocks is not None else list(st.core.reserved_blocks(st.key))
+    def _copied_as_landed(self, st: _DReq):
+        """``(slots or None, KV blocks)`` of a request whose layers the workers copy into its
+        KV blocks as they land: a bounce request's slots, or (``None``) the same blocks of a
+        staged D's mirror for a request that lands in its reserved blocks (not land's pool);
+        ``None`` for any other."""
+        if st.bounce:
+            return None if st.kv_blocks is None else (list(st.slots), list(st.kv_blocks))
+        if not self.staged_mirror or st.slots is not None or st.core is None:
+            return None
+        blocks = list(st.core.reserved_blocks(st.key))
+        return (None, blocks) if blocks else None
 
     def _d_landed_layers(self) -> None:
-        """Bounce requests: the layers landed since the last step go to the workers' copies."""
+        """Staged D: the layers landed since the last step go to the workers' copies."""
         for st in self.d_reqs.values():
-            if st.kv_blocks is None or st.delayed or st.recv_sent or st.reported or st.core is None:
+            if st.delayed or st.recv_sent or st.reported or st.core is None:
+                continue
+            src = self._copied_as_landed(st)
+            if src is None:
                 continue
             new = [x for x in st.core.landed_layers(st.key) if x not in st.copied]
             if new:
                 st.copied.update(new)
                 self.copied_layers["landing"] += len(new)
-                self.out_land[st.req] = (list(st.slots), list(st.kv_blocks), new)
+                self.out_land[st.req] = (*src, new)
 
     def _d_finished(self, st: _DReq, now: int):
         if st.core is None or st.failed_early:

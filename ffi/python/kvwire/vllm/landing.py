@@ -13,6 +13,11 @@ with ``staging: device``, host memory beside a CPU cache. Two kinds of request l
   the last step in each step's metadata), and what is left after the last layer is that
   layer's copy, not the whole request's.
 
+A staged D with ``d_landing: mirror`` lands P's writes in a host mirror of its whole cache
+instead (:mod:`kvwire.vllm.staging`): the same copies run from the mirror's blocks into the same
+blocks of the cache, layer by layer as they land (every policy but ``land``, whose writes go to
+the pool). The scheduler names no slots for those (``slots`` is ``None``).
+
 Copies are ordered after the work already on the compute stream (a block just freed by another
 request may still be read there) and, on CUDA, run on a side stream; completion is an event,
 polled, never waited for. The worker reports a request (received, failed or released) only once
@@ -38,39 +43,44 @@ def paired_runs(slots, blocks):
 
 
 class LandingCopies:
-    """The copies from a landing pool into the KV caches of one worker. ``dev`` is a
-    :class:`kvwire.vllm.staging.DeviceCopies` of the caches' device; ``caches`` and ``pools``
-    map layer names (in ``layers`` order) to tensors; ``halves`` is 2 for K/V-first layouts."""
+    """The copies from a landing pool, or a landing mirror, into the KV caches of one worker.
+    ``dev`` is a :class:`kvwire.vllm.staging.DeviceCopies` of the caches' device; ``caches``,
+    ``pools`` and ``mirrors`` map layer names (in ``layers`` order) to tensors (``pools`` empty
+    without a pool, ``mirrors`` empty without a mirror); ``halves`` is 2 for K/V-first layouts."""
 
-    def __init__(self, dev, layers: list, caches: dict, pools: dict, halves: dict):
+    def __init__(self, dev, layers: list, caches: dict, pools: dict, halves: dict, mirrors: dict | None = None):
         self.dev = dev
         self.layers = list(layers)
         self.caches, self.pools, self.halves = caches, pools, halves
+        self.mirrors = mirrors or {}
         self.running: dict[str, list] = {}  # req -> completions not yet seen done
         self.failed: dict[str, set] = {}  # req -> its KV blocks a copy failed to fill
         self.stats = dict(copies=0, layers=0, failed=0)
 
-    def copy(self, req: str, slots: list, blocks: list, layers=None) -> None:
-        """Starts copying ``slots`` into ``blocks`` for ``layers`` (indices; ``None``: every
-        layer). A copy that cannot start fails the request's blocks (see :meth:`take_failed`)."""
-        if len(slots) != len(blocks):
-            logger.warning("kvwire: request %s: %d landing slots for %d KV blocks", req, len(slots), len(blocks))
+    def copy(self, req: str, slots: list | None, blocks: list, layers=None) -> None:
+        """Starts copying ``slots`` of the pool (``None``: the same blocks of the mirror) into
+        ``blocks`` for ``layers`` (indices; ``None``: every layer). A copy that cannot start fails
+        the request's blocks (see :meth:`take_failed`)."""
+        src = self.pools if slots is not None else self.mirrors
+        slots = blocks if slots is None else slots
+        idx = range(len(self.layers)) if layers is None else layers
+        why = self._refused(src, slots, blocks, idx)
+        if why:
+            logger.warning("kvwire: request %s: no copy into the KV cache: %s", req, why)
             self.failed.setdefault(req, set()).update(blocks)
             return
-        idx = range(len(self.layers)) if layers is None else layers
         runs = paired_runs(slots, blocks)
         pairs = []
         try:
             for i in idx:
                 name = self.layers[i]
-                cache, pool = self.caches[name], self.pools[name]
                 for h in range(self.halves[name]):
-                    c, p = (cache[h], pool[h]) if self.halves[name] == 2 else (cache, pool)
+                    c, p = self._half(self.caches[name], name, h), self._half(src[name], name, h)
                     for s, b, k in runs:
                         pairs.append((c[b:b + k], p[s:s + k]))
             done = self.dev.copy(self.dev.mark(), pairs)
-        except (IndexError, RuntimeError) as e:
-            logger.warning("kvwire: request %s: copy from the landing pool failed: %s", req, e)
+        except RuntimeError as e:
+            logger.warning("kvwire: request %s: copy into the KV cache failed: %s", req, e)
             self.dev.settle()
             self.stats["failed"] += 1
             self.failed.setdefault(req, set()).update(blocks)
@@ -78,6 +88,28 @@ class LandingCopies:
         self.stats["copies"] += 1
         self.stats["layers"] += len(idx)
         self.running.setdefault(req, []).append(done)
+
+    def _half(self, t, name: str, h: int):
+        """``[blocks, ...]`` view of half ``h`` of ``t`` (K or V; the whole of it when the layout
+        has no halves)."""
+        return t[h] if self.halves[name] == 2 else t
+
+    def _refused(self, src: dict, slots: list, blocks: list, idx) -> str:
+        """Why a copy of ``slots`` of ``src`` into ``blocks`` for layers ``idx`` cannot be
+        made ("" when it can): every id and layer is checked, a slice past the end would copy
+        nothing without an error."""
+        if not src:
+            return f"this worker has no landing {'mirror' if src is self.mirrors else 'pool'}"
+        if len(slots) != len(blocks):
+            return f"{len(slots)} landing slots for {len(blocks)} KV blocks"
+        if any(not 0 <= i < len(self.layers) for i in idx):
+            return f"layers {sorted(idx)} of {len(self.layers)}"
+        for name in self.layers:
+            for ids, t, what in ((blocks, self.caches[name], "KV blocks"), (slots, src[name], "landing slots")):
+                n = self._half(t, name, 0).shape[0]
+                if any(not 0 <= x < n for x in ids):
+                    return f"{what} {sorted(ids)} outside the {n} of {name}"
+        return ""
 
     def busy(self, req: str) -> bool:
         """Whether a copy of ``req`` is still running."""

@@ -75,7 +75,7 @@ class SchedulerSide(PeerBook, DRequests, PRequests):
         self.d_cores: dict[str, object] = {}
         self.p_cores: dict[str, object] = {}
         self._init_peers()
-        self._init_d(o.land_pool_blocks if c._d_pool is None else c._d_pool, c._d_pool is not None)
+        self._init_d(o.land_pool_blocks if c._d_pool is None else c._d_pool, c._d_pool is not None, c._d_mirror)
         self._init_p()
         self.early: dict[int, list] = {}
         self.early_n = 0
@@ -292,7 +292,7 @@ class SchedulerSide(PeerBook, DRequests, PRequests):
             if self.d_reqs:
                 self._d_promote(so, now)
             self._run_actions(now)
-            if self.staged_pool:
+            if self.staged_pool or self.staged_mirror:
                 self._d_landed_layers()
             for r in self.out_failed:
                 st = self.d_reqs.get(r)
@@ -300,8 +300,6 @@ class SchedulerSide(PeerBook, DRequests, PRequests):
                     compat.count_uncached(st.request)
             meta = KvwireConnectorMetadata(
                 finished_recving=self.out_recv,
-                recv_block_ids={r: self._kv_blocks(self.d_reqs[r])
-                                for r in self.out_recv if r in self.d_reqs and self.d_reqs[r].core is not None},
                 failed_recving=self.out_failed,
                 finished_sending=self.out_sending,
                 p_chunks=chunks,

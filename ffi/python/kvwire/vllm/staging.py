@@ -23,11 +23,11 @@ CUDA therefore moves every byte through host memory registered with its data eng
   (the load-error path).
 * **D (target), ``d_landing: mirror``: a landing mirror.** Pinned host memory with exactly the KV
   cache's layout is registered *instead of* the device tensor. P addresses D as it does without staging and knows
-  nothing of it. When the scheduler reports that a request has fully arrived
-  (``finished_recving``, with the request's block ids), its blocks are copied mirror→device
-  (``non_blocking`` on the side stream, ordered after the work already on the current stream).
-  The request is reported finished only once that copy has completed. A request aborted
-  meanwhile keeps its blocks until the copy into them is over.
+  nothing of it. Each layer of a request is copied from the mirror's blocks into the same
+  blocks of the cache as soon as it has landed (the scheduler lists the layers landed since the
+  last step, as for the pool: see :mod:`kvwire.vllm.landing`); the request is reported only
+  once every copy into its blocks has completed, and a request aborted meanwhile keeps its
+  blocks until then. Policy ``land`` lands in its pool (``land_pool_blocks``), not the mirror.
   **The mirror costs host memory equal to the KV cache** (pinned when the cache is on CUDA).
 
 ``staging: device`` takes none of this: the caches are registered as device regions where they
@@ -44,7 +44,7 @@ from __future__ import annotations
 
 import logging
 from collections import deque
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -92,8 +92,8 @@ def wanted(mode: str, devices) -> bool:
 
 
 #: Where a staged D lands P's writes: ``pool`` (default), a landing pool of ``staging_mb`` in
-#: host memory, every request taking policy ``land``; ``mirror``, host memory with the layout of
-#: the whole KV cache, any policy.
+#: host memory; ``mirror``, host memory with the layout of the whole KV cache. Either way each
+#: layer is copied into the cache as it lands (see :mod:`kvwire.vllm.landing`).
 D_LANDINGS = ("pool", "mirror")
 
 
@@ -312,13 +312,6 @@ class _Piece:
     waited: bool = False
 
 
-@dataclass
-class _Landing:
-    reqs: set
-    copied: Any
-    failed_blocks: set = field(default_factory=set)
-
-
 class Staging:
     """A worker's staging: the pool (``producer``) and the landing mirrors (``consumer``) of
     its KV caches, all on one ``device``. See the module docstring."""
@@ -338,9 +331,7 @@ class Staging:
         self.queue: deque[_Piece] = deque()  # waiting for pool space, FIFO
         self.inflight: list[_Piece] = []  # copying or writing, in admission order
         self.finished: list = []  # (tag, ok, nbytes) not yet taken by reap
-        self.landing: deque[_Landing] = deque()
-        self.held: set = set()  # finished_sending of requests whose landing is still running
-        self.stats = dict(pieces=0, waited=0, split=0, failed=0, staged_bytes=0, landed=0, landing_failed=0)
+        self.stats = dict(pieces=0, waited=0, split=0, failed=0, staged_bytes=0)
 
     # ---- registration ----
     def add_layer(self, name, cache, halves, num_blocks, block_bytes):
@@ -359,6 +350,12 @@ class Staging:
             region = kvwire.register_tensor(self.engine, lay.mirror, "rw", pinned=self.dev.cuda)
         self.layers[name] = lay
         return region
+
+    @property
+    def mirrors(self) -> dict:
+        """Layer name -> its landing mirror (empty when this worker only sends); the workers'
+        :class:`kvwire.vllm.landing.LandingCopies` copy from them into the caches."""
+        return {name: lay.mirror for name, lay in self.layers.items() if lay.mirror is not None}
 
     # ---- P: staged sends ----
     def send(self, peer, name, src, dst, remote, remote_blocks, tag, after=None):
@@ -506,64 +503,3 @@ class Staging:
     def idle(self) -> bool:
         """Nothing queued, nothing in flight, every chunk back in the pool."""
         return not self.queue and not self.inflight and (self.pool is None or self.pool.used == 0)
-
-    # ---- D: landing ----
-    def land(self, reqs, block_ids):
-        """Starts copying the blocks of ``reqs`` (``block_ids[req]``) mirror→device;
-        :meth:`landed` says when they are there."""
-        reqs = set(reqs)
-        if not reqs:
-            return
-        failed, ids = set(), set()
-        for r in reqs:
-            b = block_ids.get(r)
-            if b is None:
-                logger.warning("kvwire: no block ids for received request %s (aborted?): nothing copied", r)
-                continue
-            if any(not 0 <= x < lay.num_blocks for x in b for lay in self.layers.values()):
-                logger.warning("kvwire: request %s names blocks outside the KV cache", r)
-                failed |= {x for x in b if all(0 <= x < lay.num_blocks for lay in self.layers.values())}
-                continue
-            ids.update(b)
-        copies = []
-        order = sorted(ids)
-        for lay in self.layers.values():
-            for h in range(lay.halves):
-                dev, host = lay.blocks(lay.cache, h), lay.blocks(lay.mirror, h)
-                for _, b, k in runs(order):
-                    copies.append((dev[b:b + k], host[b:b + k]))
-        try:
-            copied = self.dev.copy(self.dev.mark(), copies)
-        except RuntimeError as e:
-            logger.warning("kvwire: copy of received blocks to the device failed: %s", e)
-            self.dev.settle()
-            self.landing.append(_Landing(reqs, None, failed | ids))
-            return
-        self.landing.append(_Landing(reqs, copied, failed))
-
-    def settle(self, recv, sending):
-        """What ``get_finished`` reports: ``(recv, sending, failed block ids)`` from the requests
-        received (``recv``) and released (``sending``) so far. Adds the requests whose landing
-        completed to ``recv``. A request released while its landing runs (aborted meanwhile) is
-        held back until the copy into its blocks is over (they must not be reused before), then
-        reported in ``sending`` only (vLLM frees a finished request's blocks on either report,
-        and a second report of a freed request is an error)."""
-        landed, bad = self.landed()
-        recv = set(recv) | landed
-        sending = set(sending) | self.held
-        running = set().union(*(ld.reqs for ld in self.landing))
-        self.held = sending & running
-        sending -= self.held
-        return recv - sending, sending, bad
-
-    def landed(self):
-        """``(requests whose blocks are on the device, block ids that failed to get there)``;
-        a request in a failed landing is among the first and its blocks among the second."""
-        reqs, bad = set(), set()
-        while self.landing and self.dev.done(self.landing[0].copied):
-            ld = self.landing.popleft()
-            reqs |= ld.reqs
-            bad |= ld.failed_blocks
-            self.stats["landed"] += len(ld.reqs)
-            self.stats["landing_failed"] += bool(ld.failed_blocks)
-        return reqs, bad

@@ -55,7 +55,7 @@ SERIES: dict[str, tuple] = {
                              "Block-seconds held so far by the reservations still waiting."),
     "d_landing_slots": ("gauge", "kvwire_d_landing_slots", (), "D landing-pool slots held now (land, and a staged D's requests)."),
     "d_landing_copied_layers": ("counter", "kvwire_d_landing_copied_layers", ("when",),
-                                "Request layers D's workers copied out of the landing pool: while later "
+                                "Request layers D's workers copied out of the landing pool or mirror: while later "
                                 "layers were still landing (landing), or once all had landed (complete)."),
     # P side (scheduler, the PCore)
     "p_scheduled": ("counter", "kvwire_p_requests_scheduled", (), "Requests scheduled on P for remote decode."),

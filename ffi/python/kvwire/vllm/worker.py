@@ -20,9 +20,10 @@ P (producer), per request, on each TP rank:
 D (consumer): the caches are registered and offered to P (``rw``); for policy ``land`` a
 landing pool (``land_pool_blocks`` slots per layer, host memory) is offered after them. A staged
 D with ``d_landing: pool`` offers the pool only (pinned when the cache is on CUDA; see
-:mod:`kvwire.vllm.staging`): every request lands there. The scheduler says which slots to copy
-into which blocks, and which layers (``land_copies``); :mod:`kvwire.vllm.landing` copies them
-and a request is reported only once its copies completed.
+:mod:`kvwire.vllm.staging`): every request lands there; with ``d_landing: mirror`` it offers a
+host mirror of each cache in its place. The scheduler says which slots (or the mirror's same
+blocks) to copy into which blocks, and which layers (``land_copies``);
+:mod:`kvwire.vllm.landing` copies them and a request is reported only once its copies completed.
 A ``fence`` names P data engines whose connections to this one are closed before blocks they
 may have written are reused.
 
@@ -253,16 +254,18 @@ class WorkerSide:
                     lt = torch.zeros(shape, dtype=t.dtype, device=t.device if direct else "cpu")
                 self.landing[name] = lt
                 kvwire.register_tensor(self.engine, lt, "rw", pinned=pinned, ipc=direct)
-            dev = self.stager.dev if self.stager is not None else self.marks
-            if dev is None:
-                dev = _staging.DeviceCopies(torch.device("cpu"))
-            self.land = LandingCopies(dev, self.layers, self.caches, self.landing,
-                                      {name: self.shape[name][0] for name in self.layers})
             if self.marks is not None:
                 gb = sum(t.numel() * t.element_size() for t in self.landing.values()) / 1e9
                 logger.warning("kvwire: D's landing pool takes %.2f GB of %s beside the KV cache (%d slots per layer, "
                                "land_pool_blocks); vLLM's gpu_memory_utilization does not count it", gb,
                                self.marks.device, pool)
+        mirrors = self.stager.mirrors if self.stager is not None else {}
+        if self.landing or mirrors:  # D: what lands in the pool or the mirror is copied into the caches
+            dev = self.stager.dev if self.stager is not None else self.marks
+            if dev is None:
+                dev = _staging.DeviceCopies(torch.device("cpu"))
+            self.land = LandingCopies(dev, self.layers, self.caches, self.landing,
+                                      {name: self.shape[name][0] for name in self.layers}, mirrors)
 
     def handshake(self):
         addr = self.engine.listen_addr
@@ -283,16 +286,12 @@ class WorkerSide:
                 logger.warning("kvwire: lifting the fence of %s failed: %s", addr, e)
         for req, (slots, blocks, layers) in meta.land_copies.items():
             if self.land is None:
-                logger.warning("kvwire: landing copy asked, but this worker has no landing pool")
+                logger.warning("kvwire: landing copy asked, but this worker has no landing pool or mirror")
                 self.load_errors.update(blocks)
                 continue
             with self.lock:
                 self.land.copy(req, slots, blocks, layers)
-        if self.stager is None or not self.stager.consumer:
-            self.recv |= meta.finished_recving
-        else:  # reported by get_finished once their blocks were copied mirror -> device
-            with self.lock:
-                self.stager.land(meta.finished_recving, meta.recv_block_ids)
+        self.recv |= meta.finished_recving  # reported once their copies (if any) completed
         for req, blocks in meta.failed_recving.items():
             self.recv.add(req)
             self.load_errors.update(blocks)
@@ -369,10 +368,6 @@ class WorkerSide:
     def get_finished(self):
         with self.lock:
             self._reap()
-        if self.stager is not None:  # D: + the requests whose blocks were copied to the device
-            with self.lock:
-                self.recv, self.sending, bad = self.stager.settle(self.recv, self.sending)
-            self.load_errors |= bad
         if self.land is not None:  # D: a request whose landing copies still run waits for them
             with self.lock:
                 busy = {r for r in self.recv | self.sending if self.land.busy(r)}
