@@ -127,6 +127,17 @@ def test_device_writes_wait_for_the_layer_compute(pair, monkeypatch):
     assert land.busy("r") and not land.idle
     done["now"] = True
     assert not land.busy("r") and land.idle
+    # One step's copies of two requests (and one refused: slot 9 is past the pool) go out
+    # behind one mark, and complete with one event.
+    fake.log.clear()
+    done["now"] = False
+    land.copy_all([("a", [0], [6], [0]), ("b", [1, 2], [7, 8], None), ("bad", [9], [9], None)])
+    log = [e for e in fake.log if e[0] != "set_device"]
+    assert [e[:2] for e in log] == [("record", "compute"), ("enter", "side"), ("wait", "side"), ("record", "side"),
+                                    ("exit", "side")], fake.log
+    assert land.busy("a") and land.busy("b") and not land.busy("bad") and land.take_failed("bad") == {9}
+    done["now"] = True
+    assert not land.busy("a") and not land.busy("b") and land.idle
 
 
 def test_device_write_of_a_failed_request_is_never_posted(pair, monkeypatch):

@@ -135,6 +135,45 @@ def test_each_layer_is_copied_as_soon_as_it_lands(pair, policy, d_landing):
     assert sched.copied_layers == {"landing": 1, "complete": 1}
 
 
+def test_one_steps_copies_go_out_together(pair):
+    """Two requests' last layer lands between the same two steps of D: the next step copies both
+    in one submission (one mark on the compute stream, one completion for both), and each
+    request's blocks get its own bytes."""
+    d, p = pair(staged("lazy", 8), {"send_mode": "layerwise"})
+    land, calls = landing(d), []
+    real = land.copy_all
+
+    def copy_all(items):
+        calls.append(sorted((req, tuple(layers)) for req, _, _, layers in items))
+        return real(items)
+
+    land.copy_all = copy_all
+    release = hold_layer(p, len(LAYERS) - 1)
+    dreqs = [d_request(f"m{i}", p) for i in range(2)]
+    for r in dreqs:
+        d.sched.add_request(r)
+    d.step()
+    for i in range(2):
+        p.sched.add_request(p_request(f"m{i}", d))
+    sched = d.conn._sched
+    st = [sched.d_reqs[f"d/m{i}"] for i in range(2)]
+    assert run_until(lambda: all(0 in s.copied for s in st), lambda: p.step(p_fill), d.step)
+    before = land.stats["copies"]
+    release()
+    # D does not step: its driver thread takes in P's reports of the last layer for both
+    assert run_until(lambda: all(1 in s.core.landed_layers(s.key) for s in st), lambda: p.step(p_fill))
+    d.step()
+    assert calls[-1] == [("d/m0", (1,)), ("d/m1", (1,))] and land.stats["copies"] == before + 1
+    assert run_until(lambda: all(r.status == RequestStatus.RUNNING for r in dreqs), lambda: p.step(p_fill), d.step)
+    for i, r in enumerate(dreqs):
+        assert holds(d.kv, f"m{i}", d.sched.kv_cache_manager.get_block_ids(r.request_id)[0])
+    assert run_until(lambda: all(r.is_finished() for r in dreqs) and not p.sched.requests,
+                     lambda: p.step(p_fill), d.step)
+    assert_no_leak(d)
+    assert_no_leak(p)
+    assert sorted(sched.land_free) == list(range(8))
+
+
 def test_reported_only_once_the_last_copy_completed(pair):
     """The copies complete late (as stream copies do): the request stays WAITING_FOR_REMOTE_KVS,
     and its slots stay taken, until the last copy's event says done."""

@@ -322,16 +322,17 @@ def watch_landing(d, rid):
     """Logs ``(from the mirror, layers, ok)`` of each copy of ``rid`` D's worker starts; ``ok``:
     the cache holds none of those layers' bytes yet while the mirror holds all of them."""
     land, seen = landing(d), []
-    real, mirrors = land.copy, stager(d).mirrors
+    real, mirrors = land.copy_all, stager(d).mirrors
 
-    def copy(req, slots, blocks, layers=None):
-        if req == f"d/{rid}":
-            idx = list(range(len(LAYERS)) if layers is None else layers)
-            ok = all(layer_empty(d.kv, li, blocks) and layer_holds(mirrors, rid, li, blocks) for li in idx)
-            seen.append((slots is None, idx, ok))
-        return real(req, slots, blocks, layers)
+    def copy_all(items):
+        for req, slots, blocks, layers in items:
+            if req == f"d/{rid}":
+                idx = list(range(len(LAYERS)) if layers is None else layers)
+                ok = all(layer_empty(d.kv, li, blocks) and layer_holds(mirrors, rid, li, blocks) for li in idx)
+                seen.append((slots is None, idx, ok))
+        return real(items)
 
-    land.copy = copy
+    land.copy_all = copy_all
     return seen
 
 
@@ -504,7 +505,7 @@ def test_without_the_landing_copy_the_cache_stays_empty(pair):
     """The landing copies are what move the bytes: with them disabled, every byte is in the
     mirror and the cache blocks stay empty, through the request's report and after it."""
     d, p = pair({"policy": "lazy", "staging": "always", "staging_mb": 1, "d_landing": "mirror"}, {})
-    landing(d).copy = lambda req, slots, blocks, layers=None: None
+    landing(d).copy_all = lambda items: None
     dreq = d_request("s3", p)
     d.sched.add_request(dreq)
     d.step()

@@ -392,13 +392,13 @@ def layer_empty(t, li, block_ids):
 def record_copies(d):
     """Logs ``(req, layers)`` of every landing copy D's worker starts."""
     land, seen = d.worker._worker.land, []
-    real = land.copy
+    real = land.copy_all
 
-    def copy(req, slots, blocks, layers=None):
-        seen.append((req, None if layers is None else list(layers)))
-        return real(req, slots, blocks, layers)
+    def copy_all(items):
+        seen.extend((req, None if layers is None else list(layers)) for req, _, _, layers in items)
+        return real(items)
 
-    land.copy = copy
+    land.copy_all = copy_all
     return seen
 
 

@@ -19,8 +19,9 @@ blocks of the cache, layer by layer as they land (every policy but ``land``, who
 the pool). The scheduler names no slots for those (``slots`` is ``None``).
 
 Copies are ordered after the work already on the compute stream (a block just freed by another
-request may still be read there) and, on CUDA, run on a side stream; completion is an event,
-polled, never waited for. The worker reports a request (received, failed or released) only once
+request may still be read there) and, on CUDA, run on a side stream; a step's copies, every
+request's, go out together behind one mark and complete with one event, polled, never waited
+for. The worker reports a request (received, failed or released) only once
 every copy into its blocks, and out of its slots, has completed: neither is reused before.
 """
 
@@ -59,35 +60,47 @@ class LandingCopies:
 
     def copy(self, req: str, slots: list | None, blocks: list, layers=None) -> None:
         """Starts copying ``slots`` of the pool (``None``: the same blocks of the mirror) into
-        ``blocks`` for ``layers`` (indices; ``None``: every layer). A copy that cannot start fails
-        the request's blocks (see :meth:`take_failed`)."""
-        src = self.pools if slots is not None else self.mirrors
-        slots = blocks if slots is None else slots
-        idx = range(len(self.layers)) if layers is None else layers
-        why = self._refused(src, slots, blocks, idx)
-        if why:
-            logger.warning("kvwire: request %s: no copy into the KV cache: %s", req, why)
-            self.failed.setdefault(req, set()).update(blocks)
-            return
-        runs = paired_runs(slots, blocks)
-        pairs = []
-        try:
+        ``blocks`` for ``layers`` (indices; ``None``: every layer): :meth:`copy_all` of one."""
+        self.copy_all([(req, slots, blocks, layers)])
+
+    def copy_all(self, items) -> None:
+        """Starts the copies ``(req, slots, blocks, layers)`` of one step (see :meth:`copy`) as
+        one: a single mark on the compute stream, one completion shared by every request. A copy
+        that cannot be made fails its request's blocks, one that cannot start fails every
+        request's (see :meth:`take_failed`)."""
+        pairs, reqs, layers = [], [], 0
+        for req, slots, blocks, idx in items:
+            src = self.pools if slots is not None else self.mirrors
+            slots = blocks if slots is None else slots
+            idx = range(len(self.layers)) if idx is None else idx
+            why = self._refused(src, slots, blocks, idx)
+            if why:
+                logger.warning("kvwire: request %s: no copy into the KV cache: %s", req, why)
+                self.failed.setdefault(req, set()).update(blocks)
+                continue
+            runs = paired_runs(slots, blocks)
             for i in idx:
                 name = self.layers[i]
                 for h in range(self.halves[name]):
                     c, p = self._half(self.caches[name], name, h), self._half(src[name], name, h)
-                    for s, b, k in runs:
-                        pairs.append((c[b:b + k], p[s:s + k]))
+                    pairs.extend((c[b:b + k], p[s:s + k]) for s, b, k in runs)
+            reqs.append((req, blocks))
+            layers += len(idx)
+        if not reqs:
+            return
+        try:
             done = self.dev.copy(self.dev.mark(), pairs)
         except RuntimeError as e:
-            logger.warning("kvwire: request %s: copy into the KV cache failed: %s", req, e)
+            logger.warning("kvwire: requests %s: copy into the KV cache failed: %s", [r for r, _ in reqs], e)
             self.dev.settle()
             self.stats["failed"] += 1
-            self.failed.setdefault(req, set()).update(blocks)
+            for req, blocks in reqs:
+                self.failed.setdefault(req, set()).update(blocks)
             return
         self.stats["copies"] += 1
-        self.stats["layers"] += len(idx)
-        self.running.setdefault(req, []).append(done)
+        self.stats["layers"] += layers
+        for req, _ in reqs:
+            self.running.setdefault(req, []).append(done)
 
     def _half(self, t, name: str, h: int):
         """``[blocks, ...]`` view of half ``h`` of ``t`` (K or V; the whole of it when the layout

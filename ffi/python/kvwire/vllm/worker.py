@@ -284,13 +284,13 @@ class WorkerSide:
                 self.engine.unfence(addr)
             except (kvwire.KvwireError, AttributeError) as e:
                 logger.warning("kvwire: lifting the fence of %s failed: %s", addr, e)
-        for req, (slots, blocks, layers) in meta.land_copies.items():
-            if self.land is None:
-                logger.warning("kvwire: landing copy asked, but this worker has no landing pool or mirror")
+        if meta.land_copies and self.land is None:
+            logger.warning("kvwire: landing copies asked, but this worker has no landing pool or mirror")
+            for _, blocks, _ in meta.land_copies.values():
                 self.load_errors.update(blocks)
-                continue
+        elif meta.land_copies:
             with self.lock:
-                self.land.copy(req, slots, blocks, layers)
+                self.land.copy_all([(req, *c) for req, c in meta.land_copies.items()])
         self.recv |= meta.finished_recving  # reported once their copies (if any) completed
         for req, blocks in meta.failed_recving.items():
             self.recv.add(req)
