@@ -4,7 +4,9 @@
 use std::path::Path;
 
 use kvwire_transfer::auth::KeyShare;
-use kvwire_transfer::wire::{self, CtrlMsg, FrameHeader, FrameKind, HostIdentity, WireRegion};
+use kvwire_transfer::wire::{
+    self, CtrlMsg, FrameHeader, FrameKind, HostIdentity, MrChunks, WireRegion,
+};
 use kvwire_transfer::{Access, Error, RegionId};
 
 fn main() -> std::io::Result<()> {
@@ -24,6 +26,7 @@ fn main() -> std::io::Result<()> {
         fd: -1,
         ino: 0,
         rkey: 0,
+        chunks: None,
         ipc: None,
     };
     let host = HostIdentity {
@@ -57,11 +60,11 @@ fn main() -> std::io::Result<()> {
             transports: 3,
             lanes: 4,
             blobs: vec![],
-            regions: vec![region],
+            regions: vec![region.clone()],
             mac: [5; 32],
         },
         CtrlMsg::Welcome {
-            regions: vec![region],
+            regions: vec![region.clone()],
             mac: [6; 32],
         },
         CtrlMsg::Reject {
@@ -78,8 +81,18 @@ fn main() -> std::io::Result<()> {
         },
         CtrlMsg::LaneProof { mac: [10; 32] },
         CtrlMsg::LaneOk,
-        CtrlMsg::RegionsAdded(vec![region]),
-        CtrlMsg::RegionsSet(vec![region]),
+        CtrlMsg::RegionsAdded(vec![region.clone()]),
+        CtrlMsg::RegionsSet(vec![region.clone()]),
+        // a region registered for RDMA in three chunks
+        CtrlMsg::RegionsAdded(vec![WireRegion {
+            len: 3 << 20,
+            rkey: 7,
+            chunks: Some(MrChunks {
+                len: 1 << 20,
+                rkeys: vec![8, 9].into(),
+            }),
+            ..region.clone()
+        }]),
         CtrlMsg::RegionsRemoved(vec![region.id]),
         CtrlMsg::Notify(b"tag".to_vec()),
         CtrlMsg::Transport {

@@ -19,6 +19,8 @@ const RDMA_NEAR_ENV: &str = "KVWIRE_RDMA_NEAR";
 const RDMA_SIGNAL_ENV: &str = "KVWIRE_RDMA_SIGNAL_EVERY";
 /// Environment variable of [`EngineConfig::rdma_max_sge`].
 const RDMA_MAX_SGE_ENV: &str = "KVWIRE_RDMA_MAX_SGE";
+/// Environment variable of [`EngineConfig::rdma_mr_chunk`] (bytes).
+const RDMA_MR_CHUNK_ENV: &str = "KVWIRE_RDMA_MR_CHUNK";
 /// Environment variable of [`EngineConfig::rdma_poll`] (µs).
 pub(crate) const RDMA_POLL_ENV: &str = "KVWIRE_RDMA_POLL_US";
 /// Environment variable of [`EngineConfig::ibverbs_path`] (the same one
@@ -114,6 +116,12 @@ pub struct EngineConfig {
     /// measured on real NICs). Environment: `KVWIRE_RDMA_POLL_US` (µs; a value that is not a
     /// number is ignored, with a warning).
     pub rdma_poll: Option<Duration>,
+    /// RDMA: the largest memory registration, in bytes. A region larger than this, or than a
+    /// device's `max_mr_size`, is registered in chunks of that many bytes (rounded down to
+    /// whole pages), each with its own keys; work requests never cross a chunk, at either end.
+    /// `None` (or 0) = the devices' limit. Environment: `KVWIRE_RDMA_MR_CHUNK` (bytes; a value
+    /// that is not a number is ignored, with a warning).
+    pub rdma_mr_chunk: Option<u64>,
     /// Path or soname of libibverbs, loaded at run time. `None` (or empty) =
     /// `libibverbs.so.1`. Environment: `KVWIRE_IBVERBS_PATH`.
     pub ibverbs_path: Option<String>,
@@ -143,6 +151,7 @@ impl Default for EngineConfig {
             rdma_signal_every: None,
             rdma_max_sge: None,
             rdma_poll: None,
+            rdma_mr_chunk: None,
             ibverbs_path: None,
             limits: Limits::default(),
         }
@@ -165,6 +174,7 @@ impl EngineConfig {
             rdma_signal_every: number_knob(RDMA_SIGNAL_ENV),
             rdma_max_sge: number_knob(RDMA_MAX_SGE_ENV),
             rdma_poll: number_knob(RDMA_POLL_ENV).map(Duration::from_micros),
+            rdma_mr_chunk: number_knob(RDMA_MR_CHUNK_ENV),
             ibverbs_path: match std::env::var_os(IBVERBS_PATH_ENV) {
                 Some(p) if !p.is_empty() => Some(p.to_string_lossy().into_owned()),
                 _ => None,

@@ -4,7 +4,9 @@
 //! anything before a valid proof. Bounded case counts so this runs in seconds (the same
 //! decoders run under `cargo fuzz` too: `transfer/fuzz`).
 
-use kvwire_transfer::wire::{self, CtrlMsg, FrameHeader, FrameKind, HostIdentity, WireRegion};
+use kvwire_transfer::wire::{
+    self, CtrlMsg, FrameHeader, FrameKind, HostIdentity, MrChunks, WireRegion,
+};
 use kvwire_transfer::{Access, Error, RegionId, Resource};
 use proptest::prelude::*;
 
@@ -54,6 +56,15 @@ fn region() -> impl Strategy<Value = WireRegion> {
                 fd,
                 ino,
                 rkey: (addr >> 7) as u32,
+                chunks: (ino & 2 == 2 && len >= 3).then(|| {
+                    let chunk = len / 3 + 1;
+                    let rkeys: Vec<u32> =
+                        (1..MrChunks::count(chunk, len)).map(|i| i as u32).collect();
+                    MrChunks {
+                        len: chunk,
+                        rkeys: rkeys.into(),
+                    }
+                }),
                 ipc: (fd & 1 == 1).then_some(kvwire_transfer::DeviceIpc {
                     handle: [(ino & 0xff) as u8; 64],
                     offset: ino,

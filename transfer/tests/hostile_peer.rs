@@ -31,6 +31,7 @@ fn region(index: u32) -> WireRegion {
         fd: -1,
         ino: 0,
         rkey: 0,
+        chunks: None,
         ipc: None,
     }
 }

@@ -546,18 +546,23 @@ fn a_region_list_with_device_keys_round_trips_and_a_bad_flag_is_refused() {
         fd: -1,
         ino: 0,
         rkey: 0,
+        chunks: None,
         ipc: Some(DeviceIpc {
             handle: [7; 64],
             offset: 4096,
         }),
     };
-    let host = kvwire_transfer::wire::WireRegion { ipc: None, ..dev };
+    let host = kvwire_transfer::wire::WireRegion {
+        ipc: None,
+        ..dev.clone()
+    };
     let msg = CtrlMsg::RegionsSet(vec![dev, host]);
     let bytes = msg.encode();
     let back = CtrlMsg::decode(&bytes).expect("decode");
     assert_eq!(back, msg);
-    // The flag of the first region (after the header, count and 41 bytes of its entry).
-    let flag_at = bytes.len() - (42 + 72) - 42 + 41;
+    // The flag of the first region (after the header, count and 49 bytes of its entry: 41
+    // bytes of fields, then the length of its RDMA chunks, 0 for none).
+    let flag_at = bytes.len() - (50 + 72) - 50 + 49;
     assert_eq!(bytes[flag_at], 1);
     let mut bad = bytes.clone();
     bad[flag_at] = 2;
@@ -567,5 +572,45 @@ fn a_region_list_with_device_keys_round_trips_and_a_bad_flag_is_refused() {
             value: 2,
         })) => {}
         other => panic!("expected a bad device-memory flag, got {other:?}"),
+    }
+}
+
+#[test]
+fn a_region_in_rdma_chunks_round_trips_and_keys_that_do_not_cover_it_are_refused() {
+    use kvwire_transfer::wire::{CtrlMsg, Layout, MrChunks, ProtocolError, WireRegion};
+    let region = |len: u64, chunk: u64, rkeys: Vec<u32>| WireRegion {
+        id: kvwire_transfer::RegionId {
+            index: 4,
+            generation: 2,
+        },
+        len,
+        access: Access::ReadWrite,
+        addr: 0x7000_0000,
+        fd: -1,
+        ino: 0,
+        rkey: 11,
+        chunks: Some(MrChunks {
+            len: chunk,
+            rkeys: rkeys.into(),
+        }),
+        ipc: None,
+    };
+    // 3 MiB + 1 in chunks of 1 MiB: four chunks, the keys of chunks 1..=3 listed
+    let good = CtrlMsg::RegionsAdded(vec![region((3 << 20) + 1, 1 << 20, vec![12, 13, 14])]);
+    assert_eq!(CtrlMsg::decode(&good.encode()).expect("decode"), good);
+    for (len, chunk, keys) in [
+        ((3 << 20) + 1, 1 << 20, vec![12, 13]), // a chunk without its key
+        (3 << 20, 1 << 20, vec![12, 13, 14]),   // a key for a chunk past the end
+        (1 << 20, 1 << 20, vec![]),             // one chunk is no chunking
+        (1 << 40, 4096, vec![1; kvwire_transfer::wire::MAX_MR_CHUNKS]), // far more chunks than a key message holds
+    ] {
+        let bad = CtrlMsg::RegionsAdded(vec![region(len, chunk, keys)]).encode();
+        match CtrlMsg::decode(&bad) {
+            Err(kvwire_transfer::Error::Protocol(ProtocolError::BadCount {
+                at: Layout::RegionChunks,
+                ..
+            })) => {}
+            other => panic!("{len} B in chunks of {chunk}: {other:?}"),
+        }
     }
 }

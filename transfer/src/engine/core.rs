@@ -282,12 +282,14 @@ impl Core {
         }
     }
 
-    pub(super) fn rkey(&self, id: RegionId) -> u32 {
+    /// The RDMA keys peers use for region `id`: its key on the first device (0: none) and,
+    /// when its registration is cut in chunks, theirs.
+    pub(super) fn rdma_keys(&self, id: RegionId) -> (u32, Option<crate::wire::MrChunks>) {
         self.transports
             .iter()
-            .map(|t| t.region_rkey(id))
-            .find(|k| *k != 0)
-            .unwrap_or(0)
+            .map(|t| t.region_keys(id))
+            .find(|k| k.0 != 0)
+            .unwrap_or((0, None))
     }
 
     pub(super) fn has_cuda_ipc(&self) -> bool {

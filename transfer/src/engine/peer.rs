@@ -175,7 +175,7 @@ impl RemoteTable {
         write: bool,
     ) -> Result<WireRegion, Error> {
         let r = match self.by_index.get(&id.index) {
-            Some(r) if r.id.generation == id.generation => *r,
+            Some(r) if r.id.generation == id.generation => r.clone(),
             Some(r) if id.generation < r.id.generation => return Err(Error::StaleRegion(id)),
             None if self
                 .removed

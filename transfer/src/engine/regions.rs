@@ -13,9 +13,12 @@ use crate::mem::RegionMem;
 use crate::region::{check_bounds, RegionEntry};
 use crate::types::{Access, PeerId, RegionHandle, RegionId};
 use crate::wire::fence::{EngineMsg, FenceKind};
-use crate::wire::{CtrlMsg, WireRegion};
+use crate::wire::{CtrlMsg, MrChunks, WireRegion};
 
-pub(super) fn wire_region(e: &RegionEntry, shm: bool, rkey: u32) -> WireRegion {
+/// `e` as described to a peer (`shm`: on this host); `keys`: its RDMA keys (0: none), see
+/// `Core::rdma_keys`.
+pub(super) fn wire_region(e: &RegionEntry, shm: bool, keys: (u32, Option<MrChunks>)) -> WireRegion {
+    let (rkey, chunks) = keys;
     let device = e.mem.device_ipc();
     let (addr, fd, ino) = if device.is_some() {
         // No host mapping to share: CUDA IPC reaches it by its handle, RDMA (where a NIC
@@ -40,6 +43,7 @@ pub(super) fn wire_region(e: &RegionEntry, shm: bool, rkey: u32) -> WireRegion {
         fd,
         ino,
         rkey,
+        chunks: chunks.filter(|_| rkey != 0),
         ipc: device.filter(|_| shm).map(|(_, ipc)| ipc),
     }
 }
@@ -239,8 +243,10 @@ impl Core {
             }
         }
         if access.offered() {
-            let rkey = self.rkey(e.id);
-            self.broadcast(|p| CtrlMsg::RegionsAdded(vec![wire_region(&e, p.same_host, rkey)]));
+            let keys = self.rdma_keys(e.id);
+            self.broadcast(|p| {
+                CtrlMsg::RegionsAdded(vec![wire_region(&e, p.same_host, keys.clone())])
+            });
         }
         Ok(h)
     }
@@ -377,7 +383,7 @@ impl Core {
             .all()
             .iter()
             .filter(|e| e.access.offered())
-            .map(|e| wire_region(e, shm, self.rkey(e.id)))
+            .map(|e| wire_region(e, shm, self.rdma_keys(e.id)))
             .collect()
     }
 }

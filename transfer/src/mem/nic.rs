@@ -46,85 +46,133 @@ pub(crate) struct DeviceRefused {
     pub(crate) peermem: String,
 }
 
-/// A region's memory registered with RDMA protection domains: one memory region per device
-/// (index = local device index), kept next to the memory it covers. Field order matters: the
-/// MRs are deregistered (dropped) before the last reference to the memory goes.
+/// A region's memory registered with RDMA protection domains: per device (index = local device
+/// index), one memory region per chunk of `chunk` bytes (one chunk, the whole region, unless a
+/// NIC limits how large a registration may be), kept next to the memory they cover. Field order
+/// matters: the MRs are deregistered (dropped) before the last reference to the memory goes.
 pub(crate) struct RegionMrs {
-    per_dev: Vec<kvwire_verbs::Mr>,
+    per_dev: Vec<Vec<kvwire_verbs::Mr>>,
+    chunk: u64,
     _mem: Arc<RegionMem>,
 }
 
+/// The `(offset, length)` of each chunk of `chunk` bytes (0: one) of `len` bytes.
+fn chunks_of(len: usize, chunk: u64) -> impl Iterator<Item = (usize, usize)> {
+    let step = usize::try_from(chunk)
+        .ok()
+        .filter(|c| *c > 0)
+        .unwrap_or(len)
+        .max(1);
+    (0..len)
+        .step_by(step)
+        .map(move |at| (at, step.min(len - at)))
+}
+
 impl RegionMrs {
-    /// Registers host memory `mem` with every protection domain of `pds`, in order. On a
-    /// failure, the index of the domain that refused it and the verbs error (registrations made
-    /// before it are undone when they drop).
+    /// Registers host memory `mem` with every protection domain of `pds`, in order, in chunks
+    /// of `chunk` bytes (0: one registration). On a failure, the index of the domain that
+    /// refused it and the verbs error (registrations made before it are undone when they drop).
     pub(crate) fn register<'a>(
         mem: &Arc<RegionMem>,
         pds: impl IntoIterator<Item = &'a kvwire_verbs::Pd>,
         access: kvwire_verbs::Access,
+        chunk: u64,
     ) -> Result<RegionMrs, (usize, kvwire_verbs::VerbsError)> {
         let mut per_dev = Vec::new();
         for (i, pd) in pds.into_iter().enumerate() {
-            // SAFETY: the memory `mem.addr() .. + mem.len()` is owned (memfd mapping) or
-            // promised valid by `Engine::register_raw`'s contract for as long as the
-            // `RegionMem` lives; this `RegionMrs` holds that `Arc<RegionMem>` next to every MR
-            // of it (dropped after them), and every work request naming one of the MRs holds
-            // the transport's `MrSet` that owns this value, so the memory outlives the
-            // registrations and every use of it by the NICs. The engine never hands out Rust
-            // references into region memory (copies go through `RegionMem`), so concurrent
-            // NIC access races with no Rust reference.
-            let mr = unsafe { pd.register_raw(mem.addr() as *mut u8, mem.len(), access) }
-                .map_err(|e| (i, e))?;
-            per_dev.push(mr);
+            let mut mrs = Vec::new();
+            for (at, n) in chunks_of(mem.len(), chunk) {
+                // SAFETY: the memory `mem.addr() .. + mem.len()` (this chunk lies in it) is
+                // owned (memfd mapping) or promised valid by `Engine::register_raw`'s contract
+                // for as long as the `RegionMem` lives; this `RegionMrs` holds that
+                // `Arc<RegionMem>` next to every MR of it (dropped after them), and every work
+                // request naming one of the MRs holds the transport's `MrSet` that owns this
+                // value, so the memory outlives the registrations and every use of it by the
+                // NICs. The engine never hands out Rust references into region memory (copies
+                // go through `RegionMem`), so concurrent NIC access races with no Rust
+                // reference.
+                let mr = unsafe { pd.register_raw((mem.addr() + at as u64) as *mut u8, n, access) }
+                    .map_err(|e| (i, e))?;
+                mrs.push(mr);
+            }
+            per_dev.push(mrs);
         }
         Ok(RegionMrs {
             per_dev,
+            chunk: if chunk == 0 { mem.len() as u64 } else { chunk },
             _mem: mem.clone(),
         })
     }
 
     /// Registers device memory `mem` (a device region) with every protection domain of `pds`
-    /// (GPUDirect RDMA, see the module docs); `dmabuf` is the region exported by the CUDA
-    /// driver, or why it could not be. Returns the path each device took.
+    /// (GPUDirect RDMA, see the module docs), in chunks of `chunk` bytes (0: one registration);
+    /// `dmabuf` is the region exported by the CUDA driver, or why it could not be. Returns the
+    /// path each device took.
     pub(crate) fn register_device<'a>(
         mem: &Arc<RegionMem>,
         pds: impl IntoIterator<Item = &'a kvwire_verbs::Pd>,
         access: kvwire_verbs::Access,
         dmabuf: &Result<DmaBuf, String>,
+        chunk: u64,
     ) -> Result<(RegionMrs, Vec<GpuDirect>), DeviceRefused> {
         let dptr = mem.addr();
         let mut per_dev = Vec::new();
         let mut paths = Vec::new();
         for (i, pd) in pds.into_iter().enumerate() {
-            // SAFETY: `mem` is device memory the caller of `cuda::register_device_region`
-            // keeps allocated while the region lives (that function's contract); this
-            // `RegionMrs` holds the `Arc<RegionMem>` next to every MR (dropped after them) and
-            // every work request naming an MR holds the transport's `MrSet` owning this value,
-            // so the memory outlives the registrations. The dma-buf covers the region (the
-            // driver exported the span around it) and the kernel keeps its own reference for
-            // as long as the MR lives. The host never dereferences the device address.
-            let (mr, path) =
-                unsafe { register_device_on(&PdAccess(pd, access), dmabuf, dptr, mem.len()) }
-                    .map_err(|(dmabuf, peermem)| DeviceRefused {
-                        device: i,
+            let mut mrs = Vec::new();
+            for (at, n) in chunks_of(mem.len(), chunk) {
+                // SAFETY: `mem` is device memory the caller of `cuda::register_device_region`
+                // keeps allocated while the region lives (that function's contract), and this
+                // chunk lies in it; this `RegionMrs` holds the `Arc<RegionMem>` next to every
+                // MR (dropped after them) and every work request naming an MR holds the
+                // transport's `MrSet` owning this value, so the memory outlives the
+                // registrations. The dma-buf covers the region (the driver exported the span
+                // around it) and the kernel keeps its own reference for as long as the MR
+                // lives. The host never dereferences the device address.
+                let (mr, path) = unsafe {
+                    register_device_on(
+                        &PdAccess(pd, access),
                         dmabuf,
-                        peermem,
-                    })?;
-            per_dev.push(mr);
-            paths.push(path);
+                        at as u64,
+                        dptr + at as u64,
+                        n,
+                    )
+                }
+                .map_err(|(dmabuf, peermem)| DeviceRefused {
+                    device: i,
+                    dmabuf,
+                    peermem,
+                })?;
+                if mrs.is_empty() {
+                    paths.push(path);
+                }
+                mrs.push(mr);
+            }
+            per_dev.push(mrs);
         }
         Ok((
             RegionMrs {
                 per_dev,
+                chunk: if chunk == 0 { mem.len() as u64 } else { chunk },
                 _mem: mem.clone(),
             },
             paths,
         ))
     }
 
-    /// The memory region on local device `dev`.
-    pub(crate) fn get(&self, dev: usize) -> Option<&kvwire_verbs::Mr> {
-        self.per_dev.get(dev)
+    /// The memory region of chunk `chunk` on local device `dev`.
+    pub(crate) fn get(&self, dev: usize, chunk: usize) -> Option<&kvwire_verbs::Mr> {
+        self.per_dev.get(dev)?.get(chunk)
+    }
+
+    /// Every chunk's memory region on local device `dev`, in order.
+    pub(crate) fn chunks_on(&self, dev: usize) -> &[kvwire_verbs::Mr] {
+        self.per_dev.get(dev).map_or(&[], Vec::as_slice)
+    }
+
+    /// Bytes per chunk (chunk `i` starts at `i * chunk_len()`; one chunk: the region's length).
+    pub(crate) fn chunk_len(&self) -> u64 {
+        self.chunk
     }
 }
 
@@ -140,11 +188,17 @@ trait Nic {
     /// The memory must stay allocated while the returned MR lives.
     unsafe fn reg_addr(&self, addr: u64, len: usize) -> Result<Self::Mr, String>;
 
-    /// Registers `len` bytes of `buf` from its offset, addressed by peers from `iova`.
+    /// Registers `len` bytes of `buf` from `at` past its offset, addressed by peers from `iova`.
     ///
     /// # Safety
     /// As [`Nic::reg_addr`], for the memory behind the dma-buf.
-    unsafe fn reg_dmabuf(&self, buf: &DmaBuf, len: usize, iova: u64) -> Result<Self::Mr, String>;
+    unsafe fn reg_dmabuf(
+        &self,
+        buf: &DmaBuf,
+        at: u64,
+        len: usize,
+        iova: u64,
+    ) -> Result<Self::Mr, String>;
 }
 
 struct PdAccess<'a>(&'a kvwire_verbs::Pd, kvwire_verbs::Access);
@@ -157,31 +211,39 @@ impl Nic for PdAccess<'_> {
         unsafe { self.0.register_raw(addr as *mut u8, len, self.1) }.map_err(|e| e.to_string())
     }
 
-    unsafe fn reg_dmabuf(&self, buf: &DmaBuf, len: usize, iova: u64) -> Result<Self::Mr, String> {
+    unsafe fn reg_dmabuf(
+        &self,
+        buf: &DmaBuf,
+        at: u64,
+        len: usize,
+        iova: u64,
+    ) -> Result<Self::Mr, String> {
         // SAFETY: forwarded: the caller keeps the memory behind the dma-buf allocated while
         // the MR lives; the fd is open for the call.
         unsafe {
             self.0
-                .register_dmabuf(buf.fd.as_raw_fd(), buf.offset, len, iova, self.1)
+                .register_dmabuf(buf.fd.as_raw_fd(), buf.offset + at, len, iova, self.1)
         }
         .map_err(|e| e.to_string())
     }
 }
 
-/// Registers device memory `dptr..dptr+len` on `nic`: the dma-buf when there is one and the
-/// NIC takes it, else the device address. `Err((dma-buf reason, device-address reason))`.
+/// Registers device memory `dptr..dptr+len`, `at` bytes into the region, on `nic`: the
+/// dma-buf (from `at` past the region's start in it) when there is one and the NIC takes it,
+/// else the device address. `Err((dma-buf reason, device-address reason))`.
 ///
 /// # Safety
 /// As [`Nic::reg_addr`]: the device memory stays allocated while the MR lives.
 unsafe fn register_device_on<N: Nic>(
     nic: &N,
     dmabuf: &Result<DmaBuf, String>,
+    at: u64,
     dptr: u64,
     len: usize,
 ) -> Result<(N::Mr, GpuDirect), (String, String)> {
     let refused = match dmabuf {
         // SAFETY: forwarded from the caller.
-        Ok(buf) => match unsafe { nic.reg_dmabuf(buf, len, dptr) } {
+        Ok(buf) => match unsafe { nic.reg_dmabuf(buf, at, len, dptr) } {
             Ok(mr) => return Ok((mr, GpuDirect::DmaBuf)),
             Err(e) => e,
         },
@@ -231,10 +293,16 @@ mod tests {
             }
         }
 
-        unsafe fn reg_dmabuf(&self, buf: &DmaBuf, len: usize, iova: u64) -> Result<Reg, String> {
+        unsafe fn reg_dmabuf(
+            &self,
+            buf: &DmaBuf,
+            at: u64,
+            len: usize,
+            iova: u64,
+        ) -> Result<Reg, String> {
             self.calls.borrow_mut().push("dmabuf");
             if self.dmabuf_ok {
-                Ok((GpuDirect::DmaBuf, iova, buf.offset, len))
+                Ok((GpuDirect::DmaBuf, iova, buf.offset + at, len))
             } else {
                 Err("Operation not supported (os error 95)".into())
             }
@@ -253,7 +321,7 @@ mod tests {
         buf: &Result<DmaBuf, String>,
     ) -> Result<(Reg, GpuDirect), (String, String)> {
         // SAFETY: the stand-in NIC never touches the (made-up) address.
-        unsafe { register_device_on(nic, buf, DPTR, 1 << 20) }
+        unsafe { register_device_on(nic, buf, 0, DPTR, 1 << 20) }
     }
 
     #[test]
@@ -263,6 +331,25 @@ mod tests {
         assert_eq!(path, GpuDirect::DmaBuf);
         assert_eq!(reg, (GpuDirect::DmaBuf, DPTR, 0x200, 1 << 20));
         assert_eq!(*nic.calls.borrow(), ["dmabuf"]);
+    }
+
+    #[test]
+    fn a_later_chunk_is_registered_that_far_into_the_dmabuf_and_the_device() {
+        let nic = FakeNic::new(true, true);
+        let at = 3 << 20;
+        // SAFETY: the stand-in NIC never touches the (made-up) address.
+        let (reg, _) = unsafe { register_device_on(&nic, &dmabuf(0x200), at, DPTR + at, 4096) }
+            .expect("registered");
+        assert_eq!(reg, (GpuDirect::DmaBuf, DPTR + at, 0x200 + at, 4096));
+    }
+
+    #[test]
+    fn chunks_cover_the_region_once_the_last_one_shorter() {
+        let v: Vec<_> = chunks_of(10_000, 4096).collect();
+        assert_eq!(v, [(0, 4096), (4096, 4096), (8192, 1808)]);
+        assert_eq!(chunks_of(10_000, 0).collect::<Vec<_>>(), [(0, 10_000)]);
+        assert_eq!(chunks_of(4096, 4096).collect::<Vec<_>>(), [(0, 4096)]);
+        assert_eq!(chunks_of(100, 1 << 40).collect::<Vec<_>>(), [(0, 100)]);
     }
 
     #[test]

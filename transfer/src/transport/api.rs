@@ -15,7 +15,7 @@ use crate::error::Error;
 use crate::net::Threads;
 use crate::region::RegionEntry;
 use crate::types::{RegionId, TransportKind};
-use crate::wire::{HostIdentity, ProtocolError};
+use crate::wire::{HostIdentity, MrChunks, ProtocolError};
 
 /// Called when the peer must be considered dead (lane broke, protocol violation).
 pub(crate) type OnDead = Arc<dyn Fn(String) + Send + Sync>;
@@ -119,9 +119,10 @@ pub(crate) trait Transport: Send + Sync {
     }
     /// A local region was removed (RDMA: deregister it).
     fn region_removed(&self, _id: RegionId) {}
-    /// The RDMA key peers use for a local region (0 = none).
-    fn region_rkey(&self, _id: RegionId) -> u32 {
-        0
+    /// The RDMA keys peers use for a local region: on the first device (0 = none), and the
+    /// other chunks' where its registration is cut in chunks.
+    fn region_keys(&self, _id: RegionId) -> (u32, Option<MrChunks>) {
+        (0, None)
     }
     /// Builds the per-peer state once this side chose this transport towards the peer.
     fn establish(&self, ctx: EstablishCtx<'_>) -> Result<Arc<dyn PeerTransport>, Error>;

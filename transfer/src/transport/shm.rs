@@ -570,6 +570,7 @@ mod device_tests {
             fd: -1,
             ino: 0,
             rkey: 0,
+            chunks: None,
             ipc: Some(DeviceIpc {
                 handle: [5; 64],
                 offset: 0,
@@ -578,7 +579,7 @@ mod device_tests {
         let xfer = |lo: u64, ro: u64| Xfer {
             local: local.clone(),
             local_offset: lo,
-            remote: wire,
+            remote: wire.clone(),
             remote_offset: ro,
             len: 1 << 15,
         };

@@ -35,8 +35,8 @@ mod rw;
 pub(crate) mod shm;
 
 pub use msg::{
-    CtrlMsg, FrameKind, HostIdentity, WireRegion, MAX_CTRL_BODY, MAX_ERROR_PAYLOAD,
-    MAX_REGIONS_PER_MSG, MAX_SLICE, MAX_TAG, MAX_TRANSPORT_MSG, PROTOCOL_VERSION,
+    CtrlMsg, FrameKind, HostIdentity, MrChunks, WireRegion, MAX_CTRL_BODY, MAX_ERROR_PAYLOAD,
+    MAX_MR_CHUNKS, MAX_REGIONS_PER_MSG, MAX_SLICE, MAX_TAG, MAX_TRANSPORT_MSG, PROTOCOL_VERSION,
     TRANSPORT_CUDA_IPC, TRANSPORT_RDMA, TRANSPORT_SHM, TRANSPORT_TCP,
 };
 pub use problem::{Field, LaneSide, Layout, ProtocolError, Stage};

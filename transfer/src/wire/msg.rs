@@ -2,13 +2,14 @@
 
 use crate::types::{Access, DeviceIpc, RegionId};
 
-/// Protocol version spoken by this build. 4: the initiator proves the secret first (X25519 key
+/// Protocol version spoken by this build. 6: regions registered for RDMA in chunks (their keys
+/// in the region and in RDMA key messages). 4: the initiator proves the secret first (X25519 key
 /// shares mixed with the secret, every later handshake message MAC'd over the transcript), host
 /// details and transport blobs only after the proof, data lanes joined with a proof bound to the
 /// session, fence refusals (`FENCE_NACK`) and heartbeats (`PING`), error codes 11 (resource
 /// limit) and 12 (fenced). 3: notification fences (a `Transport` control message with bit 0x80)
 /// and per-device RDMA key requests. A peer of another version is refused at the handshake.
-pub const PROTOCOL_VERSION: u16 = 5;
+pub const PROTOCOL_VERSION: u16 = 6;
 /// Magic of data-lane frames.
 pub const FRAME_MAGIC: [u8; 4] = *b"KVWF";
 /// Magic of control messages.
@@ -94,7 +95,7 @@ impl HostIdentity {
 }
 
 /// A region as described on the wire, with the keys a transport needs.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[derive(Clone, Debug, PartialEq, Eq)]
 pub struct WireRegion {
     /// Id on the owner.
     pub id: RegionId,
@@ -111,9 +112,32 @@ pub struct WireRegion {
     /// RDMA remote key of the region's memory registration (0 = not registered for RDMA);
     /// `addr` is then the region's virtual address.
     pub rkey: u32,
+    /// Where a NIC's limit on one registration cut the region's registration in chunks; `rkey`
+    /// is then chunk 0's key. `None`: one registration covers the region.
+    pub chunks: Option<MrChunks>,
     /// Same-host keys of a device region (CUDA IPC); `None` for host memory, and towards a
     /// peer on another host.
     pub ipc: Option<DeviceIpc>,
+}
+
+/// Most chunks one region's RDMA registration is cut in: every device's keys of every chunk of a
+/// region fit one key message (`wire::rdma`).
+pub const MAX_MR_CHUNKS: usize = (MAX_TRANSPORT_MSG - 4 - 10) / (4 * 16);
+
+/// A region registered for RDMA in chunks (see [`WireRegion::chunks`]).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct MrChunks {
+    /// Bytes per chunk (the last one may be shorter): chunk `i` covers `i * len ..`.
+    pub len: u64,
+    /// The RDMA keys of chunks 1.. on the owner's first device (chunk 0's is `rkey`).
+    pub rkeys: std::sync::Arc<[u32]>,
+}
+
+impl MrChunks {
+    /// Chunks of `len` bytes that cover `region_len` bytes.
+    pub fn count(len: u64, region_len: u64) -> u64 {
+        region_len.div_ceil(len.max(1))
+    }
 }
 
 /// Transport bits in `Hello.transports`.

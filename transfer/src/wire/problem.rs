@@ -220,6 +220,8 @@ pub enum Layout {
     RdmaKeysReq,
     /// An RDMA key answer.
     RdmaKeys,
+    /// The RDMA chunks of a region (their length and keys).
+    RegionChunks,
 }
 
 /// A field whose value is a code.
@@ -358,6 +360,7 @@ impl fmt::Display for ProtocolError {
                 At::HelloBlobs => write!(f, "{n} transport blobs (max 16)"),
                 At::RdmaBlobHead => write!(f, "rdma blob: {n} devices"),
                 At::RdmaBlobDevice => f.write_str("rdma blob: bad endpoint count"),
+                At::RegionChunks => write!(f, "{n} rdma chunk keys do not cover the region"),
                 _ => write!(f, "item count {n} exceeds message"),
             },
             P::BadValue { field, value } => match field {

@@ -15,14 +15,17 @@
 //! 1 reconnect request   [1][lane u8][nonce u64][endpoint]
 //! 2 reconnect answer    [2][lane u8][nonce u64][endpoint]
 //! 3 key request         [3][count u16][(region index u32, generation u32) x count]
-//! 4 keys                [4][devices u8][count u16][(index u32, generation u32, rkey u32 x devices) x count]
+//! 4 keys                [4][devices u8][count u16]
+//!                       [(index u32, generation u32, chunks u16, rkey u32 x devices x chunks) x count]
 //! ```
 //!
-//! A key answer carries all-zero keys for a region that is not (or no longer) offered.
+//! A key answer carries all-zero keys for a region that is not (or no longer) offered; a
+//! region registered in chunks (`wire::MrChunks`) has every chunk's keys, chunk by chunk, each
+//! with one key per device.
 
 use kvwire_verbs::{Endpoint, Mtu};
 
-use super::msg::{CtrlMsg, MAX_TRANSPORT_MSG, TRANSPORT_RDMA};
+use super::msg::{CtrlMsg, MAX_MR_CHUNKS, MAX_TRANSPORT_MSG, TRANSPORT_RDMA};
 use super::problem::{Field, Layout, ProtocolError};
 use crate::types::RegionId;
 
@@ -47,17 +50,23 @@ const MSG_RECONNECT_ACK: u8 = 2;
 const MSG_LEN: usize = 10 + Endpoint::ENCODED_LEN;
 /// Remote keys request: `[3][count u16][(region index u32, generation u32) x count]`.
 const MSG_KEYS_REQ: u8 = 3;
-/// Remote keys: `[4][devices u8][count u16][(index u32, generation u32, rkey u32 x devices) x
-/// count]`; all-zero keys for a region that is not (or no longer) offered.
+/// Remote keys: `[4][devices u8][count u16][(index u32, generation u32, chunks u16, rkey u32 x
+/// devices x chunks) x count]`; all-zero keys for a region that is not (or no longer) offered.
 const MSG_KEYS: u8 = 4;
+/// Bytes of a key answer before its entries, and of an entry before its keys.
+const KEYS_HEAD: usize = 4;
+const KEYS_ENTRY_HEAD: usize = 10;
 
 /// Regions named in one key request (it fits a transport message).
 pub(crate) const KEYS_REQ_PER_MSG: usize = (MAX_TRANSPORT_MSG - 3) / 8;
 
-/// Regions answered in one key message for `ndev` devices (it fits a transport message).
-pub(crate) fn keys_per_msg(ndev: usize) -> usize {
-    (MAX_TRANSPORT_MSG - 4) / (8 + 4 * ndev)
+/// Bytes of a key answer's entry with `keys` keys (every device's of every chunk).
+pub(crate) const fn keys_entry_len(keys: usize) -> usize {
+    KEYS_ENTRY_HEAD + 4 * keys
 }
+
+/// Room for entries in one key answer (it fits a transport message).
+pub(crate) const KEYS_ROOM: usize = MAX_TRANSPORT_MSG - KEYS_HEAD;
 
 /// One local device as our blob describes it.
 pub(crate) struct BlobDev {
@@ -235,7 +244,8 @@ pub(crate) enum RdmaMsg {
     },
     /// Asks for the rkeys of these regions on every device of the receiver.
     KeysReq(Vec<RegionId>),
-    /// The sender's rkeys of some of its regions, `ndev` per region.
+    /// The sender's rkeys of some of its regions: `ndev` per chunk, chunk by chunk (one
+    /// chunk unless the region is registered in chunks).
     Keys {
         ndev: u8,
         entries: Vec<(RegionId, Vec<u32>)>,
@@ -274,14 +284,16 @@ impl RdmaMsg {
                 d
             }
             RdmaMsg::Keys { ndev, entries } => {
-                let entry = 8 + 4 * usize::from(*ndev);
-                let mut out = Vec::with_capacity(4 + entries.len() * entry);
+                let len: usize = entries.iter().map(|(_, k)| keys_entry_len(k.len())).sum();
+                let mut out = Vec::with_capacity(KEYS_HEAD + len);
                 out.push(MSG_KEYS);
                 out.push(*ndev);
                 out.extend_from_slice(&(entries.len() as u16).to_le_bytes());
                 for (id, keys) in entries {
                     out.extend_from_slice(&id.index.to_le_bytes());
                     out.extend_from_slice(&id.generation.to_le_bytes());
+                    let chunks = keys.len() / usize::from(*ndev).max(1);
+                    out.extend_from_slice(&(chunks as u16).to_le_bytes());
                     for k in keys {
                         out.extend_from_slice(&k.to_le_bytes());
                     }
@@ -370,7 +382,7 @@ fn decode_keys(d: &[u8], remote_devs: usize) -> Result<RdmaMsg, ProtocolError> {
         at: Layout::RdmaKeys,
         len: d.len(),
     };
-    if d.len() < 4 {
+    if d.len() < KEYS_HEAD {
         return Err(bad());
     }
     let ndev = d[1] as usize;
@@ -381,21 +393,37 @@ fn decode_keys(d: &[u8], remote_devs: usize) -> Result<RdmaMsg, ProtocolError> {
             listed: remote_devs,
         });
     }
-    let entry = 8 + 4 * ndev;
-    if d.len() != 4 + n * entry {
+    let w = |i: usize| u32::from_le_bytes([d[i], d[i + 1], d[i + 2], d[i + 3]]);
+    let mut entries = Vec::with_capacity(n.min(KEYS_ROOM / KEYS_ENTRY_HEAD));
+    let mut at = KEYS_HEAD;
+    for _ in 0..n {
+        if d.len() < at + KEYS_ENTRY_HEAD {
+            return Err(bad());
+        }
+        let chunks = u16::from_le_bytes([d[at + 8], d[at + 9]]) as usize;
+        if chunks == 0 || chunks > MAX_MR_CHUNKS {
+            return Err(ProtocolError::BadCount {
+                at: Layout::RegionChunks,
+                n: chunks,
+            });
+        }
+        let end = at + keys_entry_len(chunks * ndev);
+        if d.len() < end {
+            return Err(bad());
+        }
+        let id = RegionId {
+            index: w(at),
+            generation: w(at + 4),
+        };
+        let keys = (0..chunks * ndev)
+            .map(|i| w(at + KEYS_ENTRY_HEAD + 4 * i))
+            .collect();
+        entries.push((id, keys));
+        at = end;
+    }
+    if at != d.len() {
         return Err(bad());
     }
-    let entries = d[4..]
-        .chunks_exact(entry)
-        .map(|c| {
-            let w = |i: usize| u32::from_le_bytes([c[i], c[i + 1], c[i + 2], c[i + 3]]);
-            let id = RegionId {
-                index: w(0),
-                generation: w(4),
-            };
-            (id, (0..ndev).map(|i| w(8 + 4 * i)).collect())
-        })
-        .collect();
     Ok(RdmaMsg::Keys {
         ndev: d[1],
         entries,
@@ -544,6 +572,7 @@ mod tests {
         for (id, k) in [(ids[0], [5u32, 6]), (ids[1], [0, 0])] {
             want.extend_from_slice(&id.index.to_le_bytes());
             want.extend_from_slice(&id.generation.to_le_bytes());
+            want.extend_from_slice(&1u16.to_le_bytes());
             for k in k {
                 want.extend_from_slice(&k.to_le_bytes());
             }
@@ -558,8 +587,43 @@ mod tests {
         );
         assert_eq!(err(&want[..5], 0, 2), "rdma keys: bad length");
         const { assert!(KEYS_REQ_PER_MSG * 8 + 3 <= MAX_TRANSPORT_MSG) };
-        for ndev in 1..=MAX_DEVICES {
-            assert!(keys_per_msg(ndev) * (8 + 4 * ndev) + 4 <= MAX_TRANSPORT_MSG);
-        }
+        // every device's keys of every chunk of one region fit one answer
+        const { assert!(keys_entry_len(MAX_DEVICES * MAX_MR_CHUNKS) <= KEYS_ROOM) };
+    }
+
+    #[test]
+    fn keys_of_a_region_in_chunks_round_trip_and_bad_chunk_counts_are_refused() {
+        let err = |d: &[u8], lanes, devs| RdmaMsg::decode(d, lanes, devs).unwrap_err().to_string();
+        let id = RegionId {
+            index: 4,
+            generation: 9,
+        };
+        // two devices, three chunks: chunk by chunk, a key per device
+        let keys = RdmaMsg::Keys {
+            ndev: 2,
+            entries: vec![(id, vec![1, 2, 3, 4, 5, 6]), (id, vec![7, 8])],
+        };
+        let bytes = keys.encode();
+        assert_eq!(
+            bytes.len(),
+            KEYS_HEAD + keys_entry_len(6) + keys_entry_len(2)
+        );
+        assert_eq!(&bytes[12..14], &3u16.to_le_bytes());
+        assert_eq!(RdmaMsg::decode(&bytes, 0, 2), Ok(keys));
+        let mut zero = bytes.clone();
+        zero[12..14].copy_from_slice(&0u16.to_le_bytes());
+        assert_eq!(
+            err(&zero, 0, 2),
+            "0 rdma chunk keys do not cover the region"
+        );
+        let mut over = bytes.clone();
+        over[12..14].copy_from_slice(&(MAX_MR_CHUNKS as u16 + 1).to_le_bytes());
+        assert!(err(&over, 0, 2).contains("rdma chunk keys"));
+        let mut long = bytes.clone();
+        long[12..14].copy_from_slice(&9u16.to_le_bytes()); // more keys than the message has
+        assert_eq!(err(&long, 0, 2), "rdma keys: bad length");
+        let mut trailing = bytes;
+        trailing.push(0);
+        assert_eq!(err(&trailing, 0, 2), "rdma keys: bad length");
     }
 }

@@ -1,6 +1,6 @@
 //! The little-endian writer and the bounded reader under every control-message codec.
 
-use super::msg::{HostIdentity, WireRegion, MAX_REGIONS_PER_MSG};
+use super::msg::{HostIdentity, MrChunks, WireRegion, MAX_MR_CHUNKS, MAX_REGIONS_PER_MSG};
 use super::problem::{Field, Layout, ProtocolError};
 use crate::types::{Access, DeviceIpc, RegionId};
 
@@ -56,6 +56,16 @@ impl Writer {
             self.u32(r.fd as u32);
             self.u64(r.ino);
             self.u32(r.rkey);
+            match &r.chunks {
+                None => self.u64(0),
+                Some(c) => {
+                    self.u64(c.len);
+                    self.u16(c.rkeys.len() as u16);
+                    for k in c.rkeys.iter() {
+                        self.u32(*k);
+                    }
+                }
+            }
             match &r.ipc {
                 None => self.u8(0),
                 Some(d) => {
@@ -150,6 +160,25 @@ impl<'a> Reader<'a> {
         }
         Ok(n)
     }
+    /// A region's RDMA chunks: `u64` chunk length (0: none), then the keys of chunks 1.., as
+    /// many as cover the region's `len` bytes.
+    fn chunks(&mut self, len: u64) -> Result<Option<MrChunks>, ProtocolError> {
+        let chunk = self.u64()?;
+        if chunk == 0 {
+            return Ok(None);
+        }
+        let n = usize::from(self.u16()?);
+        let want = MrChunks::count(chunk, len);
+        if want < 2 || want > MAX_MR_CHUNKS as u64 || n as u64 != want - 1 {
+            return Err(ProtocolError::BadCount {
+                at: Layout::RegionChunks,
+                n,
+            });
+        }
+        let rkeys = (0..n).map(|_| self.u32()).collect::<Result<Vec<_>, _>>()?;
+        let rkeys = rkeys.into();
+        Ok(Some(MrChunks { len: chunk, rkeys }))
+    }
     pub(super) fn host(&mut self) -> Result<HostIdentity, ProtocolError> {
         Ok(HostIdentity {
             boot_id: self.string(256)?,
@@ -174,7 +203,7 @@ impl<'a> Reader<'a> {
         Ok(v)
     }
     pub(super) fn regions(&mut self) -> Result<Vec<WireRegion>, ProtocolError> {
-        let n = self.count(42)?;
+        let n = self.count(50)?;
         let mut v = Vec::with_capacity(n);
         for _ in 0..n {
             let id = RegionId {
@@ -195,6 +224,7 @@ impl<'a> Reader<'a> {
                 fd: self.u32()? as i32,
                 ino: self.u64()?,
                 rkey: self.u32()?,
+                chunks: self.chunks(len)?,
                 ipc: match self.u8()? {
                     0 => None,
                     1 => Some(DeviceIpc {

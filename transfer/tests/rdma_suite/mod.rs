@@ -11,13 +11,14 @@
 //! by engines; a peer fenced while it writes (`Engine::fence`: the region unchanged once it
 //! returned); a small RDMA-vs-TCP throughput comparison (printed, not asserted).
 //!
-//! Files: `shapes` (the data path in many shapes), `faults` (errors and the good batch after
-//! each), `devices` (several devices per engine, devices shared by engines); here the pairs of
-//! engines, the device kinds and [`run`].
+//! Files: `shapes` (the data path in many shapes), `chunks` (regions registered in chunks),
+//! `faults` (errors and the good batch after each), `devices` (several devices per engine,
+//! devices shared by engines); here the pairs of engines, the device kinds and [`run`].
 
 // Each including test binary runs the suite on one kind of device.
 #![allow(dead_code)]
 
+mod chunks;
 mod devices;
 mod faults;
 mod shapes;
@@ -28,6 +29,7 @@ use std::time::{Duration, Instant};
 use kvwire_transfer::verbs::Loopback;
 use kvwire_transfer::{Access, Engine, EngineConfig, Error, Op, Peer, RegionHandle, TransportKind};
 
+pub use chunks::*;
 pub use devices::*;
 pub use faults::*;
 pub use shapes::*;
@@ -229,6 +231,7 @@ pub fn run(d0: &str, d1: &str, nic: &Nic) {
     read_deadline(&p, nic);
     drop(p);
     gathered_writes_and_reads(d0, d1);
+    chunked_registrations(d0, d1);
     multi_device(d0, d1, nic);
     shared_devices(d0, d1);
     // Auto between two engines of one host picks shm unless told otherwise.

@@ -402,6 +402,12 @@ impl Context {
         self.inner.limits.max_qp_wr
     }
 
+    /// Largest memory region one registration may cover, in bytes (0: the device did not
+    /// say).
+    pub fn max_mr_size(&self) -> u64 {
+        self.inner.limits.max_mr_size
+    }
+
     /// Largest CQ size.
     pub fn max_cqe(&self) -> u32 {
         self.inner.limits.max_cqe

@@ -39,6 +39,8 @@ pub(super) struct Dev {
     /// Local scatter-gather entries a WRITE and a READ may carry on this device's QPs.
     pub(super) sge_write: u32,
     pub(super) sge_read: u32,
+    /// The largest memory region the device registers (bytes; 0: it did not say).
+    pub(super) max_mr: u64,
     pub(super) live_qps: Arc<AtomicUsize>,
     /// WRs posted on this device's QPs and not completed yet (a hint for the completion
     /// thread's poll window).
@@ -132,6 +134,7 @@ impl Dev {
         let cq = ctx.create_cq(cq_entries)?;
         let sge_write = MAX_SGE.min(ctx.max_sge()).max(1);
         let sge_read = sge_write.min(ctx.max_sge_rd()).max(1);
+        let max_mr = ctx.max_mr_size();
         Ok(Dev {
             name: name.to_string(),
             pd,
@@ -145,6 +148,7 @@ impl Dev {
             cq_entries: cq_entries as usize,
             sge_write,
             sge_read,
+            max_mr,
             live_qps: Arc::new(AtomicUsize::new(0)),
             inflight: Arc::new(AtomicUsize::new(0)),
         })

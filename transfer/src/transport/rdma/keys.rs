@@ -1,29 +1,32 @@
-//! Remote keys on further devices: the peer's rkeys per device, asked for the first time a
-//! region is used and cached; our answers to the peer's requests.
+//! Remote keys on further devices: the peer's rkeys per device (and per chunk of a region
+//! registered in chunks), asked for the first time a region is used and cached; our answers to
+//! the peer's requests.
 
 use std::sync::Arc;
 
 use super::state::PeerShared;
 use crate::error::Error;
 use crate::types::RegionId;
-use crate::wire::rdma::{keys_per_msg, RdmaMsg, KEYS_REQ_PER_MSG};
+use crate::wire::rdma::{keys_entry_len, RdmaMsg, KEYS_REQ_PER_MSG, KEYS_ROOM};
 
 /// Remote key entries kept per peer (beyond: the table is cleared and refilled on demand).
 const MAX_KEYS: usize = 1 << 16;
 
 impl PeerShared {
-    /// The region's rkey per remote device: index 0 from the announcement, the others from
-    /// the key table (0 = not known yet; asked for once).
+    /// The region's rkey per remote device for its chunk `chunk` (0 unless it is registered
+    /// in chunks): index 0 from the announcement (`first`), the others from the key table (0 =
+    /// not known yet; asked for once).
     pub(super) fn rkeys_for(
         &self,
         id: RegionId,
+        chunk: usize,
         first: u32,
         ask: &mut Vec<RegionId>,
     ) -> Arc<[u32]> {
         if self.remote_devs <= 1 {
             return Arc::from(vec![first]);
         }
-        if let Some(k) = self.keys.read().get(&id) {
+        if let Some(k) = self.keys.read().get(&id).and_then(|k| k.get(chunk)) {
             if k.first() == Some(&first) {
                 return k.clone();
             }
@@ -59,38 +62,55 @@ impl PeerShared {
         }
     }
 
-    /// The peer asks for our rkeys of some regions: answer with every device's key (zeros for
-    /// a region that is not offered).
+    /// The peer asks for our rkeys of some regions: answer with every device's key of every
+    /// chunk (zeros for a region that is not offered), in as many messages as they take.
     pub(super) fn on_keys_req(&self, ids: &[RegionId]) -> Result<(), Error> {
         let Some(t) = self.tr.upgrade() else {
             return Ok(());
         };
         let ndev = t.devs.len();
-        for chunk in ids.chunks(keys_per_msg(ndev).max(1)) {
-            let entries = {
-                let mrs = t.mrs.read();
-                chunk
-                    .iter()
-                    .map(|id| {
-                        let set = mrs.get(id).filter(|m| m.offered);
-                        let keys = (0..ndev)
-                            .map(|i| set.and_then(|m| m.mrs.get(i)).map_or(0, |mr| mr.rkey()))
-                            .collect();
-                        (*id, keys)
-                    })
-                    .collect()
-            };
-            let m = RdmaMsg::Keys {
-                ndev: ndev as u8,
-                entries,
-            };
-            self.ctrl.send(&m.to_ctrl())?;
+        let entries: Vec<(RegionId, Vec<u32>)> = {
+            let mrs = t.mrs.read();
+            ids.iter()
+                .map(|id| {
+                    let set = mrs.get(id).filter(|m| m.offered);
+                    let chunks = set.map_or(1, |m| m.mrs.chunks_on(0).len().max(1));
+                    let keys = (0..chunks)
+                        .flat_map(|c| (0..ndev).map(move |d| (c, d)))
+                        .map(|(c, d)| set.and_then(|m| m.mrs.get(d, c)).map_or(0, |mr| mr.rkey()))
+                        .collect();
+                    (*id, keys)
+                })
+                .collect()
+        };
+        let mut batch: Vec<(RegionId, Vec<u32>)> = Vec::new();
+        let mut room = KEYS_ROOM;
+        for e in entries {
+            let len = keys_entry_len(e.1.len());
+            if len > room || batch.len() == usize::from(u16::MAX) {
+                self.send_keys(ndev, std::mem::take(&mut batch))?;
+                room = KEYS_ROOM;
+            }
+            room -= len;
+            batch.push(e);
+        }
+        if !batch.is_empty() {
+            self.send_keys(ndev, batch)?;
         }
         Ok(())
     }
 
-    /// The peer's rkeys for some of its regions.
+    fn send_keys(&self, ndev: usize, entries: Vec<(RegionId, Vec<u32>)>) -> Result<(), Error> {
+        let m = RdmaMsg::Keys {
+            ndev: ndev as u8,
+            entries,
+        };
+        self.ctrl.send(&m.to_ctrl())
+    }
+
+    /// The peer's rkeys for some of its regions (per chunk, one per device).
     pub(super) fn on_keys(&self, entries: Vec<(RegionId, Vec<u32>)>) {
+        let ndev = self.remote_devs.max(1);
         let mut keys = self.keys.write();
         for (id, v) in entries {
             if v.iter().all(|k| *k == 0) {
@@ -101,7 +121,8 @@ impl PeerShared {
                 keys.clear();
                 self.asked.lock().clear();
             }
-            keys.insert(id, Arc::from(v));
+            let chunks: Vec<Arc<[u32]>> = v.chunks(ndev).map(Arc::from).collect();
+            keys.insert(id, Arc::from(chunks));
         }
     }
 

@@ -43,22 +43,27 @@ impl PeerShared {
                         continue;
                     }
                     if let Some(e) = m.get_mut(&id) {
-                        let (Some(mr), Some(&rkey)) =
-                            (e.mr.mrs.get(l.ldev), e.wr.rkeys.get(l.rdev))
-                        else {
+                        let mrs = e.mr.mrs.chunks_on(l.ldev);
+                        let Some(&rkey) = e.wr.rkeys.get(l.rdev) else {
                             continue; // cannot happen: lanes are chosen where keys exist
                         };
+                        if e.wr
+                            .local
+                            .iter()
+                            .any(|p| mrs.get(p.chunk as usize).is_none())
+                        {
+                            continue; // cannot happen: every device registers every chunk
+                        }
                         e.qp = Some(st.qp.clone());
                         e.batch.on_nic.fetch_add(1, Ordering::AcqRel);
                         e.batch
                             .lanes
                             .fetch_or(1u64 << (lane % 64), Ordering::AcqRel);
                         let from = sges.len();
-                        let lkey = mr.lkey();
                         sges.extend(e.wr.local.iter().map(|p| Sge {
                             addr: p.addr,
                             length: p.len,
-                            lkey,
+                            lkey: mrs[p.chunk as usize].lkey(),
                         }));
                         let remote = RemoteSlice {
                             addr: e.wr.raddr,

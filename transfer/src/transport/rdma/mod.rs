@@ -21,7 +21,11 @@
 //!   first time it writes to or reads from the region (a key request and its answer, see
 //!   `wire::rdma`); until they arrive, that region's slices use the queue pairs that reach the
 //!   remote's first device. The MR holds the region memory alive; an in-flight work request
-//!   holds its MR alive.
+//!   holds its MR alive. A region longer than a device's `max_mr_size` (or
+//!   [`crate::EngineConfig::rdma_mr_chunk`]) is registered in chunks, each its own MR: the
+//!   announcement carries the chunk length and the first device's rkey of every chunk
+//!   (`WireRegion::chunks`), key answers every device's of every chunk, and slices are cut at
+//!   the chunk boundaries of both ends (a piece's lkey is its chunk's).
 //! * **Device pairs**: the handshake blob lists our devices (port, GID index, MTU, link class)
 //!   and `lanes` fresh RC QPs per device, keyed by a random nonce. Both sides compute the same
 //!   pairing of local and remote devices (the side with the smaller nonce's device order

@@ -14,8 +14,9 @@ pub(crate) struct MrSet {
     pub(super) offered: bool,
 }
 
-/// Registers device region `e` with every device of `pds` (`names` in the same order): dma-buf
-/// first, the device address (nvidia-peermem) second, see `mem::nic`. Timed and logged: it
+/// Registers device region `e` with every device of `pds` (`names` in the same order), in
+/// chunks of `chunk` bytes (0: one registration): dma-buf first, the device address
+/// (nvidia-peermem) second, see `mem::nic`. Timed and logged: it
 /// runs when the region is added, off the request path. `None` when a device took neither
 /// path: the region then has no memory region, so RDMA refuses work requests naming it (the
 /// cuda_ipc transport still reaches it); the log says why.
@@ -25,10 +26,11 @@ pub(super) fn register_device<'a>(
     pds: impl IntoIterator<Item = &'a kvwire_verbs::Pd>,
     names: &[String],
     access: kvwire_verbs::Access,
+    chunk: u64,
 ) -> Option<RegionMrs> {
     let t0 = Instant::now();
     let dmabuf = export(ordinal, &e.mem);
-    match RegionMrs::register_device(&e.mem, pds, access, &dmabuf) {
+    match RegionMrs::register_device(&e.mem, pds, access, &dmabuf, chunk) {
         Ok((mrs, paths)) => {
             tracing::info!(
                 region = ?e.id,

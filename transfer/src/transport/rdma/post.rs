@@ -33,6 +33,8 @@ impl PeerTransport for RdmaPeer {
         struct Cut {
             wr: Wr,
             region: RegionId,
+            /// The remote chunk the WR writes into (or reads from).
+            rchunk: u64,
             mr: Arc<MrSet>,
         }
         let mut cuts: Vec<Cut> = Vec::new();
@@ -67,37 +69,65 @@ impl PeerTransport for RdmaPeer {
                     .addr
                     .checked_add(x.remote_offset)
                     .ok_or_else(|| Error::InvalidArgument("remote address overflow".into()))?;
-                let rkeys = sh.rkeys_for(x.remote.id, x.remote.rkey, &mut ask);
-                let first = mr
-                    .mrs
-                    .get(0)
-                    .ok_or_else(|| Error::Unsupported("no RDMA device".into()))?;
+                // Slices never cross a chunk of the local registration or of the remote one
+                // (one key each); the remote chunk's keys are looked up once per chunk.
+                let lchunk = mr.mrs.chunk_len().max(1);
+                let rchunk = x.remote.chunks.as_ref().map_or(u64::MAX, |c| c.len);
+                let mut rkeys: Option<(u64, Arc<[u32]>)> = None;
                 let mut done = 0u64;
                 while done < x.len {
-                    let n = (x.len - done).min(sh.slice);
-                    let lo = usize::try_from(x.local_offset + done)
-                        .map_err(|_| Error::InvalidArgument("offset too large".into()))?;
+                    let lo = x.local_offset + done;
+                    let ro = x.remote_offset + done;
+                    let n = (x.len - done)
+                        .min(sh.slice)
+                        .min(lchunk - lo % lchunk)
+                        .min(rchunk - ro % rchunk);
+                    let lc = lo / lchunk;
+                    let first = mr.mrs.get(0, lc as usize).ok_or_else(|| {
+                        Error::InvalidArgument(format!(
+                            "local offset {lo} outside region {:?}",
+                            x.local.id
+                        ))
+                    })?;
                     let sge = first
-                        .sge(lo, n as usize)
+                        .sge((lo - lc * lchunk) as usize, n as usize)
                         .map_err(|e| Error::InvalidArgument(e.to_string()))?;
                     let piece = Piece {
                         addr: sge.addr,
                         len: sge.length,
+                        chunk: lc as u32,
+                    };
+                    let rc = ro / rchunk;
+                    let keys = match &rkeys {
+                        Some((c, k)) if *c == rc => k.clone(),
+                        _ => {
+                            let first = remote_chunk_key(&x.remote, rc).ok_or_else(|| {
+                                Error::InvalidArgument(format!(
+                                    "remote offset {ro} outside region {:?}",
+                                    x.remote.id
+                                ))
+                            })?;
+                            let k = sh.rkeys_for(x.remote.id, rc as usize, first, &mut ask);
+                            rkeys = Some((rc, k.clone()));
+                            k
+                        }
                     };
                     let raddr = base + done;
                     done += n;
                     if let Some(last) = cuts.last_mut() {
                         if Arc::ptr_eq(&last.mr, &mr)
                             && last.region == x.remote.id
-                            && last.wr.rkeys == rkeys
+                            && last.rchunk == rc
+                            && last.wr.rkeys == keys
                             && last.wr.gather(piece, raddr, max_sge, sh.slice)
                         {
                             continue;
                         }
                     }
                     cuts.push(Cut {
-                        wr: Wr::new(op, piece, raddr, rkeys.clone()),
+                        wr: Wr::new(op, piece, raddr, keys),
                         region: x.remote.id,
+                        rchunk: rc,
                         mr: mr.clone(),
                     });
                 }
@@ -282,5 +312,15 @@ impl PeerTransport for RdmaPeer {
         for e in all {
             e.batch.state.fail(Error::PeerDead("peer closed".into()));
         }
+    }
+}
+
+/// The remote region's key of chunk `chunk` on its first device (`None`: it has no such
+/// chunk).
+fn remote_chunk_key(r: &crate::wire::WireRegion, chunk: u64) -> Option<u32> {
+    match (chunk, &r.chunks) {
+        (0, _) => Some(r.rkey),
+        (c, Some(ch)) => ch.rkeys.get(usize::try_from(c - 1).ok()?).copied(),
+        (_, None) => None,
     }
 }

@@ -37,6 +37,9 @@ pub(super) struct Shared {
     pub(super) signal_every: usize,
     /// Local pieces one WR may gather at most (≥ 1; the devices may allow fewer).
     pub(super) max_sge: u32,
+    /// A region longer than this is registered in chunks of this many bytes (a multiple of
+    /// the page size; `u64::MAX`: no limit).
+    pub(super) mr_chunk: u64,
 }
 
 /// A lane is re-established at most this many times (then it stays broken).
@@ -132,11 +135,15 @@ pub(super) struct PeerShared {
     pub(super) reposts: AtomicU64,
     /// Completions ignored because they came from a QP the WR was not posted on (metrics).
     pub(super) stale: AtomicU64,
-    /// The peer's rkeys per remote device for its regions (index 0 comes with the region).
-    pub(super) keys: RwLock<HashMap<RegionId, Arc<[u32]>>>,
+    /// The peer's rkeys of its regions (index 0 of each chunk comes with the region).
+    pub(super) keys: RwLock<HashMap<RegionId, ChunkKeys>>,
     /// Regions whose keys were asked for.
     pub(super) asked: Mutex<HashSet<RegionId>>,
 }
+
+/// A remote region's rkeys: per chunk (one unless it is registered in chunks), per remote
+/// device.
+pub(super) type ChunkKeys = Arc<[Arc<[u32]>]>;
 
 /// Per-peer RDMA state.
 pub(crate) struct RdmaPeer {

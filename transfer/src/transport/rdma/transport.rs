@@ -25,7 +25,7 @@ use crate::region::RegionEntry;
 use crate::transport::api::{EstablishCtx, PeerTransport, Transport};
 use crate::types::{RegionId, TransportKind};
 use crate::wire::rdma::{blob_nonce, encode_blob, parse_blob, BlobDev, MAX_DEVICES, MAX_LANES};
-use crate::wire::{HostIdentity, ProtocolError, TRANSPORT_RDMA};
+use crate::wire::{HostIdentity, MrChunks, ProtocolError, MAX_MR_CHUNKS, TRANSPORT_RDMA};
 
 /// Where sysfs lists PCI devices by address.
 const PCI_DEVICES: &str = "/sys/bus/pci/devices";
@@ -157,11 +157,13 @@ impl RdmaTransport {
             None | Some(0) => u64::from(MAX_SGE),
             Some(n) => n.min(u64::from(MAX_SGE)),
         } as u32;
+        let mr_chunk = mr_chunk(cfg.rdma_mr_chunk, devs.iter().map(|d| d.max_mr));
         let sh = Arc::new(Shared {
             devs,
             mrs: RwLock::new(HashMap::new()),
             signal_every,
             max_sge,
+            mr_chunk,
         });
         let names: Vec<&str> = sh.devs.iter().map(|d| d.name.as_str()).collect();
         let near_set = cfg
@@ -249,13 +251,37 @@ impl RdmaTransport {
         Ok(b)
     }
 
-    /// The rkey of a region on the first device, when registered.
-    pub fn rkey(&self, id: RegionId) -> Option<u32> {
-        self.sh
-            .mrs
-            .read()
-            .get(&id)
-            .and_then(|m| m.mrs.get(0).map(|mr| mr.rkey()))
+    /// What peers need to address a region: its rkey on the first device (0: not registered)
+    /// and, when it is registered in chunks, the chunk length and the other chunks' rkeys.
+    pub fn keys(&self, id: RegionId) -> (u32, Option<MrChunks>) {
+        let mrs = self.sh.mrs.read();
+        let Some(m) = mrs.get(&id) else {
+            return (0, None);
+        };
+        let first = m.mrs.chunks_on(0);
+        let chunks = (first.len() > 1).then(|| MrChunks {
+            len: m.mrs.chunk_len(),
+            rkeys: first[1..].iter().map(|mr| mr.rkey()).collect(),
+        });
+        (first.first().map_or(0, |mr| mr.rkey()), chunks)
+    }
+
+    /// The chunk length to register `len` bytes with (0: one registration), or why it cannot
+    /// be registered at all.
+    fn chunk_for(&self, len: usize) -> Result<u64, Error> {
+        let len = len as u64;
+        if len <= self.sh.mr_chunk {
+            return Ok(0);
+        }
+        let n = MrChunks::count(self.sh.mr_chunk, len);
+        if n > MAX_MR_CHUNKS as u64 {
+            return Err(Error::Unsupported(format!(
+                "a region of {len} bytes needs {n} RDMA registrations of {} bytes (the NIC's \
+                 limit, or rdma_mr_chunk); at most {MAX_MR_CHUNKS}",
+                self.sh.mr_chunk
+            )));
+        }
+        Ok(self.sh.mr_chunk)
     }
 
     /// Registers a region's memory with every device.
@@ -272,7 +298,8 @@ impl RdmaTransport {
             // work request naming the region is refused like an unregistered region's.
             let names: Vec<String> = self.sh.devs.iter().map(|d| d.name.clone()).collect();
             let pds = self.sh.devs.iter().map(|d| &d.pd);
-            if let Some(mrs) = register_device(e, ordinal, pds, &names, access) {
+            let chunk = self.chunk_for(e.mem.len())?;
+            if let Some(mrs) = register_device(e, ordinal, pds, &names, access, chunk) {
                 let set = MrSet {
                     mrs,
                     offered: e.access.offered(),
@@ -281,14 +308,14 @@ impl RdmaTransport {
             }
             return Ok(());
         }
-        let mrs = RegionMrs::register(&e.mem, self.sh.devs.iter().map(|d| &d.pd), access).map_err(
-            |(i, err)| {
-                Error::Io(std::io::Error::other(format!(
-                    "registering region {:?} on {}: {err}",
-                    e.id, self.sh.devs[i].name
-                )))
-            },
-        )?;
+        let chunk = self.chunk_for(e.mem.len())?;
+        let pds = self.sh.devs.iter().map(|d| &d.pd);
+        let mrs = RegionMrs::register(&e.mem, pds, access, chunk).map_err(|(i, err)| {
+            Error::Io(std::io::Error::other(format!(
+                "registering region {:?} on {}: {err}",
+                e.id, self.sh.devs[i].name
+            )))
+        })?;
         self.sh.mrs.write().insert(
             e.id,
             Arc::new(MrSet {
@@ -349,8 +376,8 @@ impl Transport for RdmaTransport {
     fn region_removed(&self, id: RegionId) {
         self.remove_region(id)
     }
-    fn region_rkey(&self, id: RegionId) -> u32 {
-        self.rkey(id).unwrap_or(0)
+    fn region_keys(&self, id: RegionId) -> (u32, Option<MrChunks>) {
+        self.keys(id)
     }
     // Lane `i` of every pair indexes the prepared QPs, the remote endpoints and the pair list.
     #[allow(clippy::needless_range_loop)]
@@ -472,5 +499,37 @@ impl Transport for RdmaTransport {
             .collect();
         tracing::debug!(pairs = ?names, lanes = sh.lanes.len(), "rdma peer connected");
         Ok(Arc::new(RdmaPeer { sh }))
+    }
+}
+
+/// The chunk length regions are registered in: `asked` (`EngineConfig::rdma_mr_chunk`; `None`
+/// or 0: no limit of ours) and every device's limit (`max_mr`, 0: none said), whichever is
+/// smallest, rounded down to whole pages (at least one); `u64::MAX` when nothing limits it.
+fn mr_chunk(asked: Option<u64>, max_mr: impl Iterator<Item = u64>) -> u64 {
+    const PAGE: u64 = 4096;
+    let limit = max_mr
+        .filter(|m| *m > 0)
+        .chain(asked.filter(|a| *a > 0))
+        .min();
+    match limit {
+        None => u64::MAX,
+        Some(l) => (l / PAGE * PAGE).max(PAGE),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::mr_chunk;
+
+    #[test]
+    fn the_chunk_is_the_smallest_limit_in_whole_pages() {
+        assert_eq!(mr_chunk(None, [0, 0].into_iter()), u64::MAX);
+        assert_eq!(
+            mr_chunk(Some(0), [u64::MAX].into_iter()),
+            u64::MAX / 4096 * 4096
+        );
+        assert_eq!(mr_chunk(None, [1 << 32, 1 << 31].into_iter()), 1 << 31);
+        assert_eq!(mr_chunk(Some(100_000), [1 << 31].into_iter()), 24 * 4096);
+        assert_eq!(mr_chunk(Some(1), [0].into_iter()), 4096);
     }
 }

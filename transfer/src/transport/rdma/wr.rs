@@ -15,12 +15,16 @@ use smallvec::SmallVec;
 
 use kvwire_verbs::SendOp;
 
-/// One local piece of a work request: an address and a length inside the region of the
-/// entry's `MrSet` (its lkey depends on the device the lane is on).
+/// One local piece of a work request: an address and a length inside one chunk of the
+/// region of the entry's `MrSet` (its lkey depends on the chunk and on the device the lane is
+/// on).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub(super) struct Piece {
     pub(super) addr: u64,
     pub(super) len: u32,
+    /// The chunk of the local registration it lies in (0 unless the region is registered in
+    /// chunks).
+    pub(super) chunk: u32,
 }
 
 /// A slice, independent of the lane (device pair) it ends up on.
@@ -50,7 +54,8 @@ impl Wr {
 
     /// Adds `p`, bound for remote address `raddr`, to this request when the remote range
     /// continues this one's, the total stays within `max_len` bytes, and the local pieces stay
-    /// within `max_sge` (a piece that continues the last one in local memory extends it).
+    /// within `max_sge` (a piece that continues the last one in local memory, in the same
+    /// chunk of the registration, extends it).
     /// The caller checks that both name the same local registration and remote region.
     pub(super) fn gather(&mut self, p: Piece, raddr: u64, max_sge: usize, max_len: u64) -> bool {
         let len = u64::from(self.len);
@@ -62,7 +67,10 @@ impl Wr {
         };
         let n = self.local.len();
         match self.local.last_mut() {
-            Some(last) if last.addr.checked_add(u64::from(last.len)) == Some(p.addr) => {
+            Some(last)
+                if last.chunk == p.chunk
+                    && last.addr.checked_add(u64::from(last.len)) == Some(p.addr) =>
+            {
                 last.len += p.len; // ≤ total, which fits
             }
             _ if n >= max_sge => return false,
@@ -78,11 +86,15 @@ mod tests {
     use super::*;
 
     fn wr(addr: u64, len: u32, raddr: u64) -> Wr {
-        Wr::new(SendOp::Write, Piece { addr, len }, raddr, Arc::from([7u32]))
+        Wr::new(SendOp::Write, p(addr, len), raddr, Arc::from([7u32]))
     }
 
     fn p(addr: u64, len: u32) -> Piece {
-        Piece { addr, len }
+        Piece {
+            addr,
+            len,
+            chunk: 0,
+        }
     }
 
     #[test]
@@ -111,6 +123,21 @@ mod tests {
         // one entry allowed, and the next piece does not continue it
         assert!(!w.gather(p(0x5000, 16), 0x9030, 1, 1 << 20));
         assert_eq!(w.len, 48);
+    }
+
+    #[test]
+    fn a_piece_in_the_next_chunk_of_the_registration_is_another_entry() {
+        let mut w = wr(0x1000, 16, 0x9000);
+        let next = Piece {
+            chunk: 1,
+            ..p(0x1010, 16)
+        };
+        assert!(w.gather(next, 0x9010, 2, 1 << 20));
+        assert_eq!(w.local.as_slice(), &[p(0x1000, 16), next]);
+        assert!(
+            !w.gather(p(0x1020, 16), 0x9020, 2, 1 << 20),
+            "a third entry"
+        );
     }
 
     #[test]

@@ -9,7 +9,7 @@ use crate::cq::{poll_cq, req_notify_cq};
 use crate::qp::post_recv;
 use crate::send::post_send;
 use crate::state::set_errno;
-use crate::{DEVICES_ENV, MAX_SGE};
+use crate::{DEVICES_ENV, MAX_MR_ENV, MAX_SGE};
 
 /// The listed devices (created once, never freed: `ibv_device`s outlive their lists).
 pub(crate) struct Devices(Vec<usize>);
@@ -35,6 +35,15 @@ pub(crate) static DEVICES: LazyLock<Devices> = LazyLock::new(|| {
             })
             .collect(),
     )
+});
+
+/// The devices' largest memory region (see [`MAX_MR_ENV`]).
+pub(crate) static MAX_MR: LazyLock<u64> = LazyLock::new(|| {
+    std::env::var(MAX_MR_ENV)
+        .ok()
+        .and_then(|v| v.trim().parse::<u64>().ok())
+        .filter(|n| *n > 0)
+        .unwrap_or(1 << 46)
 });
 
 pub(crate) fn copy_name(dst: &mut [c_char], s: &str) {
@@ -147,7 +156,7 @@ pub unsafe extern "C" fn ibv_query_device(
     };
     let mut a = sys::ibv_device_attr {
         node_guid: ibv_get_device_guid(DEVICES.0[i] as *mut _),
-        max_mr_size: 1 << 46,
+        max_mr_size: *MAX_MR,
         page_size_cap: 4096,
         max_qp: 1 << 16,
         max_qp_wr: 16384,

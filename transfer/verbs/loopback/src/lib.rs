@@ -45,6 +45,9 @@ mod state;
 pub const DEVICES_ENV: &str = "KVWIRE_LOOPBACK_DEVICES";
 /// Environment variable: `1` = check every request but move no byte.
 pub const NOCOPY_ENV: &str = "KVWIRE_LOOPBACK_NOCOPY";
+/// Largest memory region a device registers, in bytes (`ibv_query_device`'s `max_mr_size`;
+/// `ibv_reg_mr` refuses a longer one with `EINVAL`); unset or not a number: 2^46.
+pub const MAX_MR_ENV: &str = "KVWIRE_LOOPBACK_MAX_MR";
 
 /// Scatter entries per request the device accepts.
 const MAX_SGE: usize = 16;

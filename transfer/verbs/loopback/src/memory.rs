@@ -43,7 +43,7 @@ pub unsafe extern "C" fn ibv_reg_mr(
     length: usize,
     access: c_int,
 ) -> *mut sys::ibv_mr {
-    if pd.is_null() || addr.is_null() || length == 0 {
+    if pd.is_null() || addr.is_null() || length == 0 || length as u64 > *crate::device::MAX_MR {
         set_errno(libc::EINVAL);
         return std::ptr::null_mut();
     }
