@@ -91,6 +91,7 @@ def test_device_writes_wait_for_the_layer_compute(pair, monkeypatch):
                      lambda: p.step(p_fill), d.step)
     computed = [e for e in fake.log if e[0] == "record" and e[1] == "compute"]
     assert len(computed) >= len(LAYERS)
+    assert w.marks._stream is None  # P only marks events: no side stream was made
     p.step(p_fill)
     d.step()
     assert w.engine.writes == 0 and dreq.status == RequestStatus.WAITING_FOR_REMOTE_KVS

@@ -297,8 +297,10 @@ def test_cuda_branch_orders_copies_after_the_compute_stream(engines, monkeypatch
     h = ld.dev.host((3, 5), torch.float16)
     assert h.shape == (3, 5) and h.dtype == torch.float16 and not h.any()
     assert fake.log == [("pin", h.data_ptr(), 30, 0)]
-    ld.close()
-    assert fake.log[-2:] == [("sync", "side"), ("unpin", h.data_ptr())]
+    ld.close()  # no copy ran: no side stream was made, none to wait for
+    assert fake.log == [("pin", h.data_ptr(), 30, 0), ("unpin", h.data_ptr())]
+    st.close()  # the sender's copies ran on the side stream: it is waited for
+    assert fake.log[-1] == ("sync", "side")
 
 
 # ---- in vLLM's scheduler ----------------------------------------------------------------------

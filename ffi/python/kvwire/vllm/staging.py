@@ -182,8 +182,16 @@ class DeviceCopies:
             raise kvwire.UnsupportedError(f"KV cache on {device}: staging supports cuda and cpu caches")
         self.device = device
         self.cuda = device.type == "cuda"
-        self.stream = cuda.Stream(device=device) if self.cuda else None
+        self._stream = None
         self.pinned: list[int] = []
+
+    @property
+    def stream(self):
+        """The side stream, made at the first copy (a worker that only marks events, such as P
+        with ``staging: device``, never makes one); ``None`` on the CPU."""
+        if self.cuda and self._stream is None:
+            self._stream = cuda.Stream(device=self.device)
+        return self._stream
 
     def host(self, shape, dtype) -> torch.Tensor:
         """Zeroed host memory, pinned when the cache is on CUDA (async copies need it). Pinned
@@ -239,9 +247,9 @@ class DeviceCopies:
     def settle(self):
         """After a failed :meth:`copy`: waits for whatever part of it was enqueued, so that the
         memory it touches can be reused."""
-        if self.cuda:
+        if self._stream is not None:
             try:
-                self.stream.synchronize()
+                self._stream.synchronize()
             except RuntimeError as e:
                 logger.warning("kvwire: staging stream: %s", e)
 
