@@ -108,11 +108,15 @@ impl PeerShared {
         self.ctrl.send(&m.to_ctrl())
     }
 
-    /// The peer's rkeys for some of its regions (per chunk, one per device).
+    /// The peer's rkeys for some of its regions (per chunk, one per device). Only regions we
+    /// asked for are kept: a peer cannot fill the table with keys nobody will use.
     pub(super) fn on_keys(&self, entries: Vec<(RegionId, Vec<u32>)>) {
         let ndev = self.remote_devs.max(1);
         let mut keys = self.keys.write();
         for (id, v) in entries {
+            if !self.asked.lock().contains(&id) {
+                continue;
+            }
             if v.iter().all(|k| *k == 0) {
                 keys.remove(&id);
                 continue;
