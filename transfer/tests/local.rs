@@ -577,7 +577,9 @@ fn a_region_list_with_device_keys_round_trips_and_a_bad_flag_is_refused() {
 
 #[test]
 fn a_region_in_rdma_chunks_round_trips_and_keys_that_do_not_cover_it_are_refused() {
-    use kvwire_transfer::wire::{CtrlMsg, Layout, MrChunks, ProtocolError, WireRegion};
+    use kvwire_transfer::wire::{
+        CtrlMsg, Layout, MrChunks, ProtocolError, WireRegion, MAX_MR_CHUNKS,
+    };
     let region = |len: u64, chunk: u64, rkeys: Vec<u32>| WireRegion {
         id: kvwire_transfer::RegionId {
             index: 4,
@@ -598,6 +600,21 @@ fn a_region_in_rdma_chunks_round_trips_and_keys_that_do_not_cover_it_are_refused
     // 3 MiB + 1 in chunks of 1 MiB: four chunks, the keys of chunks 1..=3 listed
     let good = CtrlMsg::RegionsAdded(vec![region((3 << 20) + 1, 1 << 20, vec![12, 13, 14])]);
     assert_eq!(CtrlMsg::decode(&good.encode()).expect("decode"), good);
+    // The largest region a list may carry (every chunk, CUDA IPC keys) fits the body bound a
+    // peer's region list is read with.
+    let max = MAX_MR_CHUNKS as u64;
+    let mut largest = region(max << 20, 1 << 20, vec![9; MAX_MR_CHUNKS - 1]);
+    largest.ipc = Some(kvwire_transfer::DeviceIpc {
+        handle: [3; 64],
+        offset: 0,
+    });
+    let bytes = CtrlMsg::RegionsAdded(vec![largest]).encode();
+    let body = bytes.len() - kvwire_transfer::wire::CTRL_HEADER_LEN;
+    assert!(
+        body as u32 <= kvwire_transfer::wire::body::regions(1),
+        "a region of {body} bytes, the bound {}",
+        kvwire_transfer::wire::body::regions(1)
+    );
     for (len, chunk, keys) in [
         ((3 << 20) + 1, 1 << 20, vec![12, 13]), // a chunk without its key
         (3 << 20, 1 << 20, vec![12, 13, 14]),   // a key for a chunk past the end

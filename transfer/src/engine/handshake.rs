@@ -1,4 +1,4 @@
-//! The handshake (protocol version 5): the transports each side allows and chooses, and the
+//! The handshake (protocol version 6): the transports each side allows and chooses, and the
 //! engine's side of the six messages ([`initiator_handshake`], [`responder_handshake`]; the
 //! exchange up to the initiator's proof is in `session`, the keys in `auth`).
 //!

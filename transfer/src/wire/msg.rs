@@ -3,7 +3,8 @@
 use crate::types::{Access, DeviceIpc, RegionId};
 
 /// Protocol version spoken by this build. 6: regions registered for RDMA in chunks (their keys
-/// in the region and in RDMA key messages). 4: the initiator proves the secret first (X25519 key
+/// in the region and in RDMA key messages). 5: device regions' CUDA IPC keys in the region
+/// list. 4: the initiator proves the secret first (X25519 key
 /// shares mixed with the secret, every later handshake message MAC'd over the transcript), host
 /// details and transport blobs only after the proof, data lanes joined with a proof bound to the
 /// session, fence refusals (`FENCE_NACK`) and heartbeats (`PING`), error codes 11 (resource
@@ -330,9 +331,10 @@ pub mod body {
     /// `Accept`, and `Auth` without its regions (host, transports, lanes and blobs, with the
     /// RDMA blob of the largest configuration: under 2 KB).
     pub const HANDSHAKE: u32 = 64 << 10;
-    /// Bytes of one region in a region list, at most (42, plus 72 of CUDA IPC keys for a
-    /// device region).
-    pub const REGION: u32 = 42 + 72;
+    /// Bytes of one region in a region list, at most: 42, 8 of RDMA chunk length, 2 and 4 per
+    /// key of chunks 1.. for a region registered in chunks, 72 of CUDA IPC keys for a device
+    /// region.
+    pub const REGION: u32 = 42 + 8 + 2 + 4 * (super::MAX_MR_CHUNKS as u32 - 1) + 72;
     /// A region list of `n` regions (count and entries).
     pub const fn regions(n: u32) -> u32 {
         4 + REGION * n

@@ -298,7 +298,14 @@ impl RdmaTransport {
             // work request naming the region is refused like an unregistered region's.
             let names: Vec<String> = self.sh.devs.iter().map(|d| d.name.clone()).collect();
             let pds = self.sh.devs.iter().map(|d| &d.pd);
-            let chunk = self.chunk_for(e.mem.len())?;
+            let chunk = match self.chunk_for(e.mem.len()) {
+                Ok(c) => c,
+                Err(why) => {
+                    tracing::warn!(region = ?e.id, "rdma: device memory not registered with the \
+                                   NICs, RDMA refuses it (cuda_ipc still reaches it): {why}");
+                    return Ok(());
+                }
+            };
             if let Some(mrs) = register_device(e, ordinal, pds, &names, access, chunk) {
                 let set = MrSet {
                     mrs,
