@@ -385,8 +385,8 @@ def test_pdsep_gate_keeps_short_tails_on_d(make, tmp_path):
     first = list(range(500))
     assert px.request("/v1/completions", {"prompt": first, "max_tokens": 1, "user": "s1"})[0] == 200
     # (on failure, the proxy's view: its decisions, the backends' loads and health)
-    assert len(p.bodies) == 1 and d.bodies[-1]["kv_transfer_params"]["do_remote_prefill"] is True, \
-        px.get("/status")[1]
+    assert d.bodies[-1]["kv_transfer_params"]["do_remote_prefill"] is True, px.get("/status")[1]
+    assert wait_for(lambda: len(p.bodies) == 1)  # P is asked at the same time as D: it may answer later
     # The session's next turn: D holds its first 500 tokens, the uncached tail is 20.
     assert px.request("/v1/completions", {"prompt": first + [7] * 20, "max_tokens": 1, "user": "s1"})[0] == 200
     assert len(p.bodies) == 1 and "kv_transfer_params" not in d.bodies[-1]
