@@ -56,6 +56,15 @@ pub(crate) struct RegionMrs {
     _mem: Arc<RegionMem>,
 }
 
+/// The length of the chunks `len` bytes are registered in: `chunk`, or (0) all of them.
+fn chunk_len(len: usize, chunk: u64) -> u64 {
+    if chunk == 0 {
+        len as u64
+    } else {
+        chunk
+    }
+}
+
 /// The `(offset, length)` of each chunk of `chunk` bytes (0: one) of `len` bytes.
 fn chunks_of(len: usize, chunk: u64) -> impl Iterator<Item = (usize, usize)> {
     let step = usize::try_from(chunk)
@@ -99,7 +108,7 @@ impl RegionMrs {
         }
         Ok(RegionMrs {
             per_dev,
-            chunk: if chunk == 0 { mem.len() as u64 } else { chunk },
+            chunk: chunk_len(mem.len(), chunk),
             _mem: mem.clone(),
         })
     }
@@ -153,7 +162,7 @@ impl RegionMrs {
         Ok((
             RegionMrs {
                 per_dev,
-                chunk: if chunk == 0 { mem.len() as u64 } else { chunk },
+                chunk: chunk_len(mem.len(), chunk),
                 _mem: mem.clone(),
             },
             paths,

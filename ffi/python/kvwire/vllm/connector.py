@@ -113,9 +113,10 @@ class KvwireConnector(KVConnectorBase_V1, compat.SupportsHMA):
         self._d_pool = None
         mode, pool_bytes = _staging.parse_options(extra)
         device = getattr(getattr(vllm_config, "device_config", None), "device_type", "cuda")
-        staged_d = self._is_consumer and _staging.wanted(mode, [device])
-        self._d_mirror = staged_d and _staging.d_landing(extra) == "mirror"
-        if staged_d and _staging.d_landing(extra) == "pool":
+        landing = _staging.d_landing(extra) if self._is_consumer else None  # checked on every D
+        staged_d = landing is not None and _staging.wanted(mode, [device])
+        self._d_mirror = staged_d and landing == "mirror"
+        if staged_d and landing == "pool":
             kcc = getattr(self, "_kv_cache_config", None) or kv_cache_config
             self._d_pool = _staging.pool_slots(extra, pool_bytes, _staging.block_bytes(kcc))
         self._sched = self._worker = None

@@ -421,11 +421,11 @@ class DRequests:
         for st in self.d_reqs.values():
             if st.delayed or st.recv_sent or st.reported or st.core is None:
                 continue
-            src = self._copied_as_landed(st)
-            if src is None:
+            if not (st.bounce or self.staged_mirror):
                 continue
             new = [x for x in st.core.landed_layers(st.key) if x not in st.copied]
-            if new:
+            src = self._copied_as_landed(st) if new else None
+            if src is not None:
                 st.copied.update(new)
                 self.copied_layers["landing"] += len(new)
                 self.out_land[st.req] = (*src, new)

@@ -109,18 +109,20 @@ class LandingCopies:
 
     def _refused(self, src: dict, slots: list, blocks: list, idx) -> str:
         """Why a copy of ``slots`` of ``src`` into ``blocks`` for layers ``idx`` cannot be
-        made ("" when it can): every id and layer is checked, a slice past the end would copy
-        nothing without an error."""
+        made ("" when it can): every layer copied and the ids' range are checked, a slice past
+        the end would copy nothing without an error."""
         if not src:
             return f"this worker has no landing {'mirror' if src is self.mirrors else 'pool'}"
         if len(slots) != len(blocks):
             return f"{len(slots)} landing slots for {len(blocks)} KV blocks"
         if any(not 0 <= i < len(self.layers) for i in idx):
             return f"layers {sorted(idx)} of {len(self.layers)}"
-        for name in self.layers:
-            for ids, t, what in ((blocks, self.caches[name], "KV blocks"), (slots, src[name], "landing slots")):
-                n = self._half(t, name, 0).shape[0]
-                if any(not 0 <= x < n for x in ids):
+        for ids, what, tensors in ((blocks, "KV blocks", self.caches), (slots, "landing slots", src)):
+            lo, hi = min(ids, default=0), max(ids, default=-1)
+            for i in idx:
+                name = self.layers[i]
+                n = self._half(tensors[name], name, 0).shape[0]
+                if lo < 0 or hi >= n:
                     return f"{what} {sorted(ids)} outside the {n} of {name}"
         return ""
 
