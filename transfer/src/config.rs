@@ -21,6 +21,8 @@ const RDMA_SIGNAL_ENV: &str = "KVWIRE_RDMA_SIGNAL_EVERY";
 const RDMA_MAX_SGE_ENV: &str = "KVWIRE_RDMA_MAX_SGE";
 /// Environment variable of [`EngineConfig::rdma_mr_chunk`] (bytes).
 const RDMA_MR_CHUNK_ENV: &str = "KVWIRE_RDMA_MR_CHUNK";
+/// Environment variable of [`EngineConfig::rdma_slice_max`] (bytes).
+const RDMA_SLICE_MAX_ENV: &str = "KVWIRE_RDMA_SLICE_MAX";
 /// Environment variable of [`EngineConfig::rdma_poll`] (µs).
 pub(crate) const RDMA_POLL_ENV: &str = "KVWIRE_RDMA_POLL_US";
 /// Environment variable of [`EngineConfig::ibverbs_path`] (the same one
@@ -43,7 +45,8 @@ pub struct EngineConfig {
     pub transport: TransportKind,
     /// TCP connections per peer.
     pub lanes: usize,
-    /// Largest slice in bytes (writes larger than this are cut and striped over lanes).
+    /// Largest slice in bytes (writes larger than this are cut and striped over lanes). RDMA
+    /// starts here and may grow a peer's slices up to [`EngineConfig::rdma_slice_max`].
     pub slice_size: usize,
     /// Deadline for batches submitted with `None`.
     pub default_deadline: Duration,
@@ -122,6 +125,15 @@ pub struct EngineConfig {
     /// `None` (or 0) = the devices' limit. Environment: `KVWIRE_RDMA_MR_CHUNK` (bytes; a value
     /// that is not a number is ignored, with a warning).
     pub rdma_mr_chunk: Option<u64>,
+    /// RDMA: the largest slice a peer's slices grow to. Each peer starts cutting at
+    /// [`EngineConfig::slice_size`] and, where its large batches (two work requests per lane or
+    /// more) move faster with slices twice as big — the per-request cost, not the wire, is the
+    /// limit —, doubles it, up to this size, and settles on the last doubling that raised the
+    /// rate by 10% (tried again every 64 windows of at least 8 batches and 50 ms; see the RDMA transport's
+    /// `slice` module). `None` (or 0) = 16 × `slice_size`, at most 64 MiB; a value at or below
+    /// `slice_size` keeps every slice at `slice_size`. Environment: `KVWIRE_RDMA_SLICE_MAX`
+    /// (bytes; a value that is not a number is ignored, with a warning).
+    pub rdma_slice_max: Option<u64>,
     /// Path or soname of libibverbs, loaded at run time. `None` (or empty) =
     /// `libibverbs.so.1`. Environment: `KVWIRE_IBVERBS_PATH`.
     pub ibverbs_path: Option<String>,
@@ -152,6 +164,7 @@ impl Default for EngineConfig {
             rdma_max_sge: None,
             rdma_poll: None,
             rdma_mr_chunk: None,
+            rdma_slice_max: None,
             ibverbs_path: None,
             limits: Limits::default(),
         }
@@ -175,6 +188,7 @@ impl EngineConfig {
             rdma_max_sge: number_knob(RDMA_MAX_SGE_ENV),
             rdma_poll: number_knob(RDMA_POLL_ENV).map(Duration::from_micros),
             rdma_mr_chunk: number_knob(RDMA_MR_CHUNK_ENV),
+            rdma_slice_max: number_knob(RDMA_SLICE_MAX_ENV),
             ibverbs_path: match std::env::var_os(IBVERBS_PATH_ENV) {
                 Some(p) if !p.is_empty() => Some(p.to_string_lossy().into_owned()),
                 _ => None,

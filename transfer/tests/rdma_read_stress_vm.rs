@@ -58,6 +58,8 @@ fn engine(devs: &[&str], lanes: usize) -> Engine {
         transport: TransportKind::Rdma,
         lanes,
         slice_size: SLICE,
+        // Fixed slices: the mismatch report maps slices to lanes by index.
+        rdma_slice_max: Some(SLICE as u64),
         rdma_device,
         rdma_devices,
         default_deadline: Duration::from_secs(120),

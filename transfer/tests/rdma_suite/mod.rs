@@ -84,6 +84,9 @@ pub fn engine_cfg(
         rdma_device,
         rdma_devices,
         default_deadline: Duration::from_secs(60),
+        // Slices of exactly `slice_size` (tests count work requests), unless a test asks for
+        // adaptive slices.
+        rdma_slice_max: base.rdma_slice_max.or(Some(slice_size as u64)),
         // The run's knobs (signalling, poll window; KVWIRE_PREFER_RDMA where set below).
         ..base
     })
@@ -242,6 +245,7 @@ pub fn run(d0: &str, d1: &str, nic: &Nic) {
         assert_eq!(peer.transport(), TransportKind::Shm);
     }
     concurrent_submitters(&[d0], &[d1]);
+    adaptive_slices(&[d0], &[d1]);
     dead_peer(&[d0], &[d1]);
     fenced_peer(&[d0], &[d1]);
     // ... and RDMA with KVWIRE_PREFER_RDMA=1 (set while no other engine runs).

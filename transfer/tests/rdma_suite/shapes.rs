@@ -404,3 +404,72 @@ pub fn throughput(kind: TransportKind, dev_t: &[&str], dev_i: &[&str]) -> f64 {
     check_eq("bw", &read_back(&p.target, p.dst, 0, data.len()), &data);
     (iters * data.len()) as f64 / secs / 1e6
 }
+
+/// Slices that adapt (4 KiB at first, up to 64 KiB): writes and reads of 2 MiB, every byte
+/// verified at both ends whatever size each batch was cut with, and every batch cut into
+/// slices of one of the sizes the sizer may pick (4 KiB doubled 0 to 4 times).
+pub fn adaptive_slices(dev_t: &[&str], dev_i: &[&str]) {
+    let base = EngineConfig {
+        rdma_slice_max: Some(64 << 10),
+        ..EngineConfig::from_env()
+    };
+    let p = pair_cfg(dev_t, dev_i, TransportKind::Rdma, 4096, base);
+    let len = 2usize << 20;
+    let allowed: Vec<usize> = (0..5).map(|k| len / (4096 << k)).collect();
+    let (mut writes, mut reads) = (Vec::new(), Vec::new());
+    for round in 0..40u64 {
+        let off = (round as usize % 4 * len) as u64;
+        let data = pattern(7000 + round, len);
+        p.init.local_write(p.src, off, &data).expect("fill");
+        let op = Op {
+            local: p.src,
+            local_offset: off,
+            remote: p.target.region_id(p.dst),
+            remote_offset: off,
+            len: len as u64,
+        };
+        let st = p
+            .init
+            .write(&p.peer, &[op], None, None)
+            .expect("submit")
+            .wait()
+            .expect("adaptive write");
+        check_eq(
+            &format!("adaptive write {round}"),
+            &read_back(&p.target, p.dst, off, len),
+            &data,
+        );
+        assert!(
+            allowed.contains(&st.slices),
+            "write {round}: {} WRs",
+            st.slices
+        );
+        writes.push(len / st.slices);
+        // Read it back into another window of the initiator's region.
+        p.init
+            .local_write(p.src, off + (4 * len) as u64, &vec![0u8; len])
+            .expect("clear");
+        let rop = Op {
+            local_offset: off + (4 * len) as u64,
+            ..op
+        };
+        let st = p
+            .init
+            .read(&p.peer, &[rop], None)
+            .expect("submit")
+            .wait()
+            .expect("adaptive read");
+        check_eq(
+            &format!("adaptive read {round}"),
+            &read_back(&p.init, p.src, off + (4 * len) as u64, len),
+            &data,
+        );
+        assert!(
+            allowed.contains(&st.slices),
+            "read {round}: {} WRs",
+            st.slices
+        );
+        reads.push(len / st.slices);
+    }
+    println!("adaptive slices, 40 writes and 40 reads of 2 MiB, every byte verified; slice sizes: writes {writes:?}, reads {reads:?}");
+}

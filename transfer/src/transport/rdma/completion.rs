@@ -118,6 +118,7 @@ impl PeerShared {
             Ok(()) => {
                 let finished = e.batch.left.fetch_sub(1, Ordering::AcqRel) == 1;
                 if finished {
+                    self.sampled(&e.batch.sample);
                     self.finish(&e.batch);
                 }
                 if let (true, Some(q)) = (current, posted_on) {

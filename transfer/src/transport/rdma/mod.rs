@@ -35,10 +35,13 @@
 //!   interleaved over the pairs (lane 0 on pair 0, lane 1 on pair 1, …) so that round-robin
 //!   striping alternates devices. Unclaimed QPs expire. Both sides connect their QPs whenever
 //!   both offered RDMA, whatever each chose for its own direction (the other may write into us).
-//! * **Posting**: each coalesced transfer is cut into slices of at most `cfg.slice_size`;
+//! * **Posting**: each coalesced transfer is cut into slices of at most the peer's slice size
+//!   (`cfg.slice_size` at first; `slice` doubles it, up to
+//!   [`crate::EngineConfig::rdma_slice_max`], while doubling raises the rate of the peer's
+//!   large batches by 10%, i.e. while the per-WR cost rather than the wire limits it);
 //!   consecutive slices from one local region bound for consecutive remote bytes are gathered
 //!   into one work request with a scatter-gather list (`wr`: at most
-//!   [`crate::EngineConfig::rdma_max_sge`] pieces, default 16, and `slice_size` bytes), so KV
+//!   [`crate::EngineConfig::rdma_max_sge`] pieces, default 16, and the slice size in bytes), so KV
 //!   blocks scattered in P's cache and bound for a run of D's blocks cost one WR per 16, not
 //!   one each. Work requests are striped round-robin over the healthy lanes (of every device
 //!   pair) whose remote device key is known; each lane posts its WRs as one chain, at most the
@@ -80,6 +83,7 @@
 //!   (named, nearest a PCI device, or all), device pairing;
 //! * `mrs`: a region's memory registrations on every device;
 //! * `signal`: the selective-signalling plan and its completion rules;
+//! * `slice`: the slice size of a peer's WRs, adapted to what limits its rate;
 //! * `wr`: a work request's scatter-gather list, and slices gathered into one request;
 //! * `state`: the transport's shared state and a peer's lanes and work requests;
 //! * `lane`: posting, breaking lanes, re-routing, asking to reconnect;
@@ -100,6 +104,7 @@ mod mrs;
 mod nics;
 mod post;
 mod signal;
+mod slice;
 mod state;
 mod transport;
 mod wr;

@@ -3,13 +3,14 @@
 
 use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, Ordering};
 use std::sync::Arc;
+use std::time::Instant;
 
 use parking_lot::Mutex;
 
 use kvwire_verbs::SendOp;
 
 use super::mrs::MrSet;
-use super::state::{BatchCtx, RdmaPeer, WrEntry};
+use super::state::{BatchCtx, RdmaPeer, Sample, WrEntry};
 use super::wr::{Piece, Wr};
 use crate::batch::{BatchState, Pending, Posted};
 use crate::error::Error;
@@ -43,6 +44,7 @@ impl PeerTransport for RdmaPeer {
             Dir::Write => (SendOp::Write, sh.sge_write),
             Dir::Read => (SendOp::Read, sh.sge_read),
         };
+        let slice = sh.slice(b.dir);
         {
             let mrs = tr.mrs.read();
             for x in &b.xfers {
@@ -79,7 +81,7 @@ impl PeerTransport for RdmaPeer {
                     let lo = x.local_offset + done;
                     let ro = x.remote_offset + done;
                     let n = (x.len - done)
-                        .min(sh.slice)
+                        .min(slice)
                         .min(lchunk - lo % lchunk)
                         .min(rchunk - ro % rchunk);
                     let lc = lo / lchunk;
@@ -119,7 +121,7 @@ impl PeerTransport for RdmaPeer {
                             && last.region == x.remote.id
                             && last.rchunk == rc
                             && last.wr.rkeys == keys
-                            && last.wr.gather(piece, raddr, max_sge, sh.slice)
+                            && last.wr.gather(piece, raddr, max_sge, slice)
                         {
                             continue;
                         }
@@ -149,6 +151,13 @@ impl PeerTransport for RdmaPeer {
             on_nic: AtomicU32::new(0),
             lanes: AtomicU64::new(0),
             quiescing: AtomicBool::new(false),
+            sample: Sample {
+                dir: b.dir,
+                slice,
+                wrs: cuts.len() as u64,
+                bytes: b.bytes,
+                posted: Instant::now(),
+            },
         });
         if b.dir == Dir::Read {
             // At a deadline (or any failure from outside the data path), READs still in flight

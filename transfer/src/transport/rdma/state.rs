@@ -8,6 +8,7 @@
 use std::collections::{HashMap, HashSet, VecDeque};
 use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Weak};
+use std::time::Instant;
 
 use parking_lot::{Mutex, RwLock};
 
@@ -15,12 +16,13 @@ use kvwire_verbs::{ConnectParams, Endpoint, Mtu, Qp};
 
 use super::devices::{verbs_err, Dev, DevQp, Nic};
 use super::mrs::MrSet;
+use super::slice::{Change, SliceSizer};
 use super::wr::Wr;
 use crate::batch::BatchState;
 use crate::ctrl::CtrlWriter;
 use crate::error::Error;
 use crate::transport::api::OnDead;
-use crate::types::RegionId;
+use crate::types::{Dir, RegionId};
 
 /// Flushed WRs are re-posted on another lane at most this many times.
 pub(super) const MAX_RETRIES: u8 = 3;
@@ -87,6 +89,18 @@ pub(super) struct BatchCtx {
     /// Set when the batch is failing and its WRs are being flushed off the NIC
     /// ([`PeerShared::quiesce`]): none of them is posted again.
     pub(super) quiescing: AtomicBool,
+    /// What the slice sizer learns from the batch when its last WR completed.
+    pub(super) sample: Sample,
+}
+
+/// A batch as the slice sizer sees it ([`super::slice`]).
+pub(super) struct Sample {
+    pub(super) dir: Dir,
+    /// The slice it was cut with, and into how many WRs.
+    pub(super) slice: u64,
+    pub(super) wrs: u64,
+    pub(super) bytes: u64,
+    pub(super) posted: Instant,
 }
 
 impl BatchCtx {
@@ -124,7 +138,8 @@ pub(super) struct PeerShared {
     pub(super) wrs: Mutex<HashMap<u64, WrEntry>>,
     pub(super) next_wr: AtomicU32,
     pub(super) next_lane: AtomicU32,
-    pub(super) slice: u64,
+    /// The slice size of WRITE batches and of READ batches.
+    pub(super) slices: [Mutex<SliceSizer>; 2],
     /// Local scatter-gather entries one WRITE and one READ may carry on every lane.
     pub(super) sge_write: usize,
     pub(super) sge_read: usize,
@@ -153,6 +168,33 @@ pub(crate) struct RdmaPeer {
 impl PeerShared {
     pub(super) fn wr_id(&self) -> u64 {
         (u64::from(self.key) << 32) | u64::from(self.next_wr.fetch_add(1, Ordering::Relaxed))
+    }
+
+    fn sizer(&self, dir: Dir) -> &Mutex<SliceSizer> {
+        &self.slices[usize::from(dir == Dir::Read)]
+    }
+
+    /// The slice size to cut a batch in direction `dir` into now.
+    pub(super) fn slice(&self, dir: Dir) -> u64 {
+        self.sizer(dir).lock().slice()
+    }
+
+    /// Tells the slice sizer how a batch whose WRs all completed went.
+    pub(super) fn sampled(&self, s: &Sample) {
+        let ns = u64::try_from(s.posted.elapsed().as_nanos()).unwrap_or(u64::MAX);
+        let change = self
+            .sizer(s.dir)
+            .lock()
+            .observe(s.slice, s.wrs, s.bytes, ns);
+        match change {
+            Some(Change::Probing(n)) => {
+                tracing::debug!(dir = ?s.dir, slice = n, "rdma: trying a bigger slice size");
+            }
+            Some(Change::Settled(n)) => {
+                tracing::debug!(dir = ?s.dir, slice = n, "rdma: slice size settled");
+            }
+            None => {}
+        }
     }
 
     pub(super) fn closed(&self) -> bool {

@@ -1,0 +1,277 @@
+//! A peer's slice size, adapted to what limits its rate ([`SliceSizer`]).
+//!
+//! Every work request costs the engine and the NIC a fixed amount on top of its bytes (a post,
+//! a completion, the NIC's per-request processing). Where that fixed cost and not the wire
+//! limits the rate — small slices on a fast link: 64 KiB slices at 400 Gb/s need 763k work
+//! requests a second — bigger slices move the same bytes in fewer requests. Whether that is the
+//! case depends on the NIC, the CPU and the load, so the sizer finds out by trying, per peer and
+//! direction:
+//!
+//! 1. It measures the rate of the peer's large batches (those cut into at least two work
+//!    requests per lane, so every lane is busy; smaller batches measure latency, not rate) at
+//!    the current slice size, over a window of at least [`WINDOW`] batches and
+//!    [`WINDOW_NS`] of their time: their bytes over the sum of their post-to-last-completion
+//!    times.
+//! 2. It then doubles the slice and measures a window again. The doubling is kept when it
+//!    raised the rate by at least [`GAIN`], and the next doubling is tried; otherwise the
+//!    sizer goes back to the last size that paid and settles there. It never doubles past the
+//!    largest slice ([`crate::EngineConfig::rdma_slice_max`]), nor to a size that would leave the
+//!    window's batches with fewer than two work requests per lane (large slices must still be
+//!    spread over every queue pair).
+//! 3. After [`REPROBE_WINDOWS`] windows at the settled size it tries the next doubling again,
+//!    with the last of those windows as the base (the load may have changed).
+//!
+//! It never goes below the configured `slice_size`. Batches cut before a change are not counted
+//! at the new size. The sizer is plain arithmetic on what it is told (no clock, no I/O), so its
+//! decisions are tested by feeding it rates.
+
+/// Batches per measured window, at least.
+pub(super) const WINDOW: u32 = 8;
+/// The batches' time per measured window, at least (ns): shorter windows measure noise.
+pub(super) const WINDOW_NS: u64 = 50_000_000;
+/// A doubling of the slice is kept when it raised the rate by at least this fraction.
+pub(super) const GAIN: f64 = 0.10;
+/// Windows at a settled size before the next doubling is tried again.
+pub(super) const REPROBE_WINDOWS: u32 = 64;
+
+/// Where the sizer is in its search.
+#[derive(Clone, Copy, Debug, PartialEq)]
+enum Phase {
+    /// Measuring the current size as the base of the first doubling.
+    Base,
+    /// Measuring the current size, double `base`, whose rate was `rate` (bytes per ns).
+    Probe { base: u64, rate: f64 },
+    /// Settled at the current size; `left` windows before the next doubling is tried.
+    Settled { left: u32 },
+}
+
+/// The slice size of one peer's work requests in one direction (see the module docs).
+#[derive(Debug)]
+pub(super) struct SliceSizer {
+    cur: u64,
+    floor: u64,
+    max: u64,
+    /// A batch counts when it was cut into at least this many work requests (two per lane).
+    min_wrs: u64,
+    phase: Phase,
+    // The window being measured (at `cur`).
+    bytes: u64,
+    ns: u64,
+    wrs: u64,
+    batches: u32,
+}
+
+/// A change of slice size, for the log.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(super) enum Change {
+    /// Trying a doubled size.
+    Probing(u64),
+    /// Settled at this size: the last doubling did not pay, or none is possible.
+    Settled(u64),
+}
+
+impl SliceSizer {
+    /// Starts at `slice` bytes (also the smallest size), grows up to `max` (no growth when
+    /// `max ≤ slice`), counting batches of at least two work requests on each of `lanes`.
+    pub(super) fn new(slice: u64, max: u64, lanes: usize) -> SliceSizer {
+        let slice = slice.max(1);
+        SliceSizer {
+            cur: slice,
+            floor: slice,
+            max: max.max(slice),
+            min_wrs: 2 * lanes.max(1) as u64,
+            phase: Phase::Base,
+            bytes: 0,
+            ns: 0,
+            wrs: 0,
+            batches: 0,
+        }
+    }
+
+    /// The slice to cut a batch into now.
+    pub(super) fn slice(&self) -> u64 {
+        self.cur
+    }
+
+    /// A batch cut with `slice` into `wrs` work requests moved `bytes` in `ns` nanoseconds
+    /// (post to its last completion). Returns the change of size it caused, if any.
+    pub(super) fn observe(&mut self, slice: u64, wrs: u64, bytes: u64, ns: u64) -> Option<Change> {
+        if slice != self.cur || wrs < self.min_wrs || ns == 0 || self.max == self.floor {
+            return None;
+        }
+        self.bytes = self.bytes.saturating_add(bytes);
+        self.ns = self.ns.saturating_add(ns);
+        self.wrs = self.wrs.saturating_add(wrs);
+        self.batches += 1;
+        if self.batches < WINDOW || self.ns < WINDOW_NS {
+            return None;
+        }
+        let rate = self.bytes as f64 / self.ns as f64;
+        let wrs_per_batch = self.wrs / u64::from(self.batches);
+        (self.bytes, self.ns, self.wrs, self.batches) = (0, 0, 0, 0);
+        match self.phase {
+            Phase::Base => Some(self.try_doubling(rate, wrs_per_batch)),
+            Phase::Probe { base, rate: before } => {
+                if rate >= before * (1.0 + GAIN) {
+                    Some(self.try_doubling(rate, wrs_per_batch))
+                } else {
+                    self.cur = base;
+                    self.phase = Phase::Settled {
+                        left: REPROBE_WINDOWS,
+                    };
+                    Some(Change::Settled(base))
+                }
+            }
+            Phase::Settled { left } if left > 1 => {
+                self.phase = Phase::Settled { left: left - 1 };
+                None
+            }
+            Phase::Settled { .. } => match self.try_doubling(rate, wrs_per_batch) {
+                // Still no room to grow: stay quietly.
+                Change::Settled(_) => None,
+                c => Some(c),
+            },
+        }
+    }
+
+    /// Doubles the slice after a window at `rate` whose batches had `wrs_per_batch` work
+    /// requests each, when the cap and the lanes allow it; settles otherwise.
+    fn try_doubling(&mut self, rate: f64, wrs_per_batch: u64) -> Change {
+        let next = self.cur.saturating_mul(2);
+        if next <= self.max && wrs_per_batch / 2 >= self.min_wrs {
+            self.phase = Phase::Probe {
+                base: self.cur,
+                rate,
+            };
+            self.cur = next;
+            Change::Probing(next)
+        } else {
+            self.phase = Phase::Settled {
+                left: REPROBE_WINDOWS,
+            };
+            Change::Settled(self.cur)
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const K64: u64 = 64 << 10;
+
+    /// Feeds batches of `wrs` requests at `rate` bytes per ns at the sizer's current size
+    /// until a window closes (or, for batches that do not count, 4096 of them); returns the
+    /// change it caused.
+    fn window(s: &mut SliceSizer, wrs: u64, rate: f64) -> Option<Change> {
+        for _ in 0..4096 {
+            let slice = s.slice();
+            let bytes = wrs * slice;
+            let counted = s.batches;
+            let out = s.observe(slice, wrs, bytes, (bytes as f64 / rate) as u64);
+            if out.is_some() || (counted > 0 && s.batches == 0) {
+                return out;
+            }
+        }
+        None
+    }
+
+    #[test]
+    fn a_window_needs_its_batches_and_its_time() {
+        let mut s = SliceSizer::new(K64, 16 << 20, 1);
+        // WINDOW batches of 1 ms each: too short; the window closes at WINDOW_NS.
+        let ms = 1_000_000;
+        for _ in 0..WINDOW_NS / ms - 1 {
+            assert_eq!(s.observe(K64, 64, 64 * K64, ms), None);
+        }
+        assert_eq!(
+            s.observe(K64, 64, 64 * K64, ms),
+            Some(Change::Probing(2 * K64))
+        );
+        // Long batches: still WINDOW of them.
+        for _ in 0..WINDOW - 1 {
+            assert_eq!(s.observe(2 * K64, 32, 64 * K64, WINDOW_NS), None);
+        }
+        assert_eq!(
+            s.observe(2 * K64, 32, 64 * K64, WINDOW_NS),
+            Some(Change::Settled(K64))
+        );
+    }
+
+    #[test]
+    fn grows_while_doubling_pays_then_settles_on_the_last_that_paid() {
+        // Per-request cost limits: every doubling raises the rate by a third, until 256 KiB,
+        // where the wire limits (no gain from 512 KiB).
+        let mut s = SliceSizer::new(K64, 16 << 20, 4);
+        let mut rates = [10.0, 13.3, 17.7, 18.0].into_iter();
+        assert_eq!(
+            window(&mut s, 512, rates.next().unwrap()),
+            Some(Change::Probing(2 * K64))
+        );
+        // The window at the new size needs the batches cut at it: one cut before does not count.
+        assert_eq!(s.observe(K64, 512, 512 * K64, 1000), None);
+        assert_eq!(s.batches, 0);
+        assert_eq!(
+            window(&mut s, 256, rates.next().unwrap()),
+            Some(Change::Probing(4 * K64))
+        );
+        assert_eq!(
+            window(&mut s, 128, rates.next().unwrap()),
+            Some(Change::Probing(8 * K64))
+        );
+        // 18.0 against 17.7: under GAIN, back to 256 KiB.
+        assert_eq!(
+            window(&mut s, 64, rates.next().unwrap()),
+            Some(Change::Settled(4 * K64))
+        );
+        assert_eq!(s.slice(), 4 * K64);
+        // Settled: nothing changes until REPROBE_WINDOWS windows went by, then it tries again.
+        for _ in 1..REPROBE_WINDOWS {
+            assert_eq!(window(&mut s, 128, 18.0), None);
+        }
+        assert_eq!(window(&mut s, 128, 18.0), Some(Change::Probing(8 * K64)));
+        assert_eq!(window(&mut s, 64, 18.5), Some(Change::Settled(4 * K64)));
+    }
+
+    #[test]
+    fn a_wire_bound_peer_keeps_its_slice() {
+        let mut s = SliceSizer::new(1 << 20, 16 << 20, 2);
+        assert_eq!(window(&mut s, 64, 20.0), Some(Change::Probing(2 << 20)));
+        assert_eq!(window(&mut s, 32, 20.5), Some(Change::Settled(1 << 20)));
+        assert_eq!(s.slice(), 1 << 20);
+    }
+
+    #[test]
+    fn never_past_the_cap_nor_below_two_requests_per_lane() {
+        // Cap: 128 KiB.
+        let mut s = SliceSizer::new(K64, 2 * K64, 1);
+        assert_eq!(window(&mut s, 64, 1.0), Some(Change::Probing(2 * K64)));
+        assert_eq!(window(&mut s, 32, 2.0), Some(Change::Settled(2 * K64)));
+        // Lanes: 4 lanes need 8 requests a batch; batches of 12 would have 6 at double the size.
+        let mut s = SliceSizer::new(K64, 16 << 20, 4);
+        assert_eq!(window(&mut s, 12, 1.0), Some(Change::Settled(K64)));
+        // Batches too small to count (under two requests a lane) change nothing.
+        let mut s = SliceSizer::new(K64, 16 << 20, 4);
+        assert_eq!(window(&mut s, 7, 1.0), None);
+        assert_eq!(window(&mut s, 7, 1.0), None);
+        assert_eq!(s.slice(), K64);
+    }
+
+    #[test]
+    fn off_when_the_cap_is_the_slice() {
+        let mut s = SliceSizer::new(K64, K64, 1);
+        assert_eq!(window(&mut s, 512, 1.0), None);
+        let mut s = SliceSizer::new(K64, 0, 1);
+        assert_eq!(window(&mut s, 512, 1.0), None);
+        assert_eq!(s.slice(), K64);
+    }
+
+    #[test]
+    fn zero_times_are_ignored() {
+        let mut s = SliceSizer::new(K64, 16 << 20, 1);
+        for _ in 0..4 * WINDOW {
+            assert_eq!(s.observe(K64, 64, 64 * K64, 0), None);
+        }
+        assert_eq!(s.slice(), K64);
+    }
+}
