@@ -16,6 +16,7 @@ use kvwire_transfer::TransportKind;
 
 mod cuda_ipc;
 mod layerwise;
+mod slice_ab;
 mod tax;
 mod wr_cost;
 
@@ -63,6 +64,9 @@ enum Cmd {
     /// the in-process software device (kvwire-verbs-loopback), next to the verbs layer's floor
     /// and the request rates 200 and 400 Gb/s need per slice size.
     WrCost(wr_cost::WrCostArgs),
+    /// The RDMA adaptive slice size against a fixed one on the in-process software device:
+    /// GB/s of each, their ratio per round, and the slice the adaptive peer settled on.
+    SliceAb(slice_ab::SliceAbArgs),
     /// Print a new random shared secret (256 bits, 64 hex digits) for `--secret` and
     /// `EngineConfig::secret`: `SECRET=$(kvwire-bench secret)`.
     Secret,
@@ -177,6 +181,7 @@ fn main() -> ExitCode {
         Cmd::Tax(a) => Ok(tax::run(&a)),
         Cmd::Ab(a) => Ok(kvwire_bench::ab::run(&a)),
         Cmd::WrCost(a) => wr_cost::run(&a),
+        Cmd::SliceAb(a) => slice_ab::run(&a),
         Cmd::Secret => {
             println!("{}", kvwire_transfer::new_secret());
             Ok(ExitCode::SUCCESS)

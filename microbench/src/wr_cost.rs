@@ -105,6 +105,8 @@ fn engine_row(lo: &Loopback, sh: &Shape, a: &WrCostArgs) -> Result<Row, BenchErr
         transport: TransportKind::Rdma,
         rdma_devices: vec!["loop0".into()],
         slice_size: sh.slice_size as usize,
+        // Every work request of a row at the row's slice size (no adaptive growth).
+        rdma_slice_max: Some(sh.slice_size),
         rdma_signal_every: Some(signal_every),
         rdma_max_sge: sh.max_sge,
         wait_spin: Some(Duration::ZERO),
