@@ -21,8 +21,15 @@
 #      initiator's CPU µs per work request (its CPU seconds per GB times the bytes of one WR:
 #      each write here is one WR; in the emulated guest, SoftRoCE's work in the posting
 #      thread included, so an upper bound of the posting path's cost, not a hardware figure).
-# Knobs: KVWIRE_BW_ITERS_64K (default 500), KVWIRE_BW_ITERS_1M (default 32),
-#   KVWIRE_BENCH_MAX_SECS (per size and phase, default 10).
+# Knobs: KVWIRE_BW_ITERS_64K (default 500), KVWIRE_BW_ITERS_1M (default 32; larger sizes run
+#   proportionally fewer, at least 8), KVWIRE_BENCH_MAX_SECS (per size and phase, default 10),
+#   KVWIRE_BENCH_SIZES (write sizes for both benches, default "64K 1M"; K and M suffixes),
+#   KVWIRE_BENCH_REGION (the target's region, default 8M: batch phase needs 8 x the largest
+#   size), KVWIRE_BENCH_ARGS (more initiator arguments, e.g. "--slice-size 64K").
+# The adaptive slice size, A/B in one boot (16 MiB writes cut into 64 KiB slices, fixed or
+#   adaptive up to 1 MiB; ib_write_bw at 64 KiB and 16 MiB messages beside them):
+#   KVWIRE_BENCH_SIZES="64K 16M" KVWIRE_BENCH_REGION=128M KVWIRE_BENCH_ARGS="--slice-size 64K" \
+#   KVWIRE_BENCH_CONFIGS="fixed64k:KVWIRE_RDMA_SLICE_MAX=65536 adaptive:" bash tests/vm/bench_rdma.sh
 # Exit status: 0 when both benches ran and kvwire verified every byte; 1 otherwise.
 set -u
 cd "$(dirname "$0")/../.."
@@ -41,6 +48,14 @@ DEV1=${KVWIRE_RXE_DEV1:-rxe1}
 ITERS_64K=${KVWIRE_BW_ITERS_64K:-500}
 ITERS_1M=${KVWIRE_BW_ITERS_1M:-32}
 MAX_SECS=${KVWIRE_BENCH_MAX_SECS:-10}
+REGION=${KVWIRE_BENCH_REGION:-8M}
+read -r -a EXTRA <<< "${KVWIRE_BENCH_ARGS:-}"
+bytes_of() { # 64K, 16M, 4096 -> bytes
+  case $1 in *K) echo $((${1%K} * 1024)) ;; *M) echo $((${1%M} * 1048576)) ;; *) echo "$1" ;; esac
+}
+SIZES=()
+for s in ${KVWIRE_BENCH_SIZES:-64K 1M}; do SIZES+=("$(bytes_of "$s")"); done
+SIZE_LIST=$(IFS=,; echo "${KVWIRE_BENCH_SIZES:-64K 1M}" | tr ' ' ',')
 OUT=/tmp/bench_rdma
 mkdir -p "$OUT"
 rc=0
@@ -51,8 +66,11 @@ echo "== guest: $(nproc) vCPUs, $(awk '/MemTotal/ {print $2 / 1024 " MiB"}' /pro
 
 echo "== perftest ib_write_bw $DEV1 -> $DEV0 (gid index 1, RoCE v2; Gb/s = 1e9 bit/s)"
 port=18600
-for size in 65536 1048576; do
-  iters=$ITERS_64K; [ "$size" = 1048576 ] && iters=$ITERS_1M
+for size in "${SIZES[@]}"; do
+  iters=$ITERS_64K
+  if [ "$size" -gt 65536 ]; then
+    iters=$((ITERS_1M * 1048576 / size)); [ "$iters" -lt 8 ] && iters=8
+  fi
   for depth in 1 8; do
     port=$((port + 1))
     timeout 180 ib_write_bw -d "$DEV0" -x 1 -F -p $port -s "$size" -n "$iters" -t $depth --report_gbits \
@@ -98,7 +116,7 @@ for cfg in $CONFIGS; do
   envargs=(); [ -n "$envs" ] && IFS=, read -r -a envargs <<< "$envs"
   echo "== kvwire-bench transfer --transport rdma [$label: ${envs:-defaults}]: serve on $DEV0, initiator on $DEV1"
   env "${envargs[@]}" KVWIRE_RDMA_DEVICE=$DEV0 timeout 600 "$BIN" transfer --serve --transport rdma --listen 127.0.0.1:$port \
-    --region-size 8M --serve-secs 590 > "$OUT/serve.$label.out" 2> "$OUT/serve.$label.err" &
+    --region-size "$REGION" --serve-secs 590 > "$OUT/serve.$label.out" 2> "$OUT/serve.$label.err" &
   serve=$!
   addr=""
   for _ in $(seq 1 600); do
@@ -115,7 +133,7 @@ for cfg in $CONFIGS; do
   fi
   t0=$(date +%s.%N)
   env "${envargs[@]}" KVWIRE_RDMA_DEVICE=$DEV1 timeout 600 "$BIN" transfer --transport rdma --target "$addr" --quick \
-    --sizes 64K,1M --max-secs "$MAX_SECS" --no-progress --json "$OUT/kvwire_rdma.$label.json"
+    --sizes "$SIZE_LIST" --max-secs "$MAX_SECS" --no-progress "${EXTRA[@]}" --json "$OUT/kvwire_rdma.$label.json"
   brc=$?
   echo "kvwire-bench [$label] exit $brc in $(awk "BEGIN{printf \"%.1f\", $(date +%s.%N) - $t0}") s"
   kill $serve 2>/dev/null
@@ -128,16 +146,16 @@ for cfg in $CONFIGS; do
 done
 
 echo "== comparison (same VM run; GB/s = 1e9 B/s)"
-python3 - "$OUT" "${labels[@]}" <<'EOF' || rc=1
+python3 - "$OUT" "$(IFS=,; echo "${SIZES[*]}")" "${labels[@]}" <<'EOF' || rc=1
 import json, os, sys
-out, labels = sys.argv[1], sys.argv[2:]
+out, sizes, labels = sys.argv[1], [int(x) for x in sys.argv[2].split(",")], sys.argv[3:]
 def pt(size, depth):
     try:
         return float(open(os.path.join(out, f"pt.{size}.{depth}")).read())
     except (OSError, ValueError):
         return None
 ok = bool(labels)
-print("| config | size | kvwire serial p50 us | kvwire serial GB/s | ib_write_bw -t 1 GB/s | ratio | kvwire batch-8 GB/s | ib_write_bw -t 8 GB/s | ratio | initiator CPU us/WR serial | batch-8 |")
+print("| config | size | kvwire serial p50 us | kvwire serial GB/s | ib_write_bw -t 1 GB/s | ratio | kvwire batch-8 GB/s | ib_write_bw -t 8 GB/s | ratio | initiator CPU us/write serial | batch-8 |")
 print("|---|---|---|---|---|---|---|---|---|---|---|")
 notes = []
 for label in labels:
@@ -152,14 +170,14 @@ for label in labels:
           f"{d['check']['read_bytes_checked']} bytes read back, {d['check']['read_mismatches']} read mismatches)")
     ok &= bool(d["verified"]) and d["transport"] == "rdma"
     rows = {(r["pattern"], r["size"]): r for r in d["results"]}
-    for size in (65536, 1048576):
+    for size in sizes:
         s, b = rows.get(("serial", size)), rows.get(("batch", size))
         p1, p8 = pt(size, 1), pt(size, 8)
         r1 = f"{s['gbps'] / p1:.2f}" if s and p1 else "n/a"
         r8 = f"{b['gbps'] / p8:.2f}" if b and p8 else "n/a"
         f = lambda x, n=4: "n/a" if x is None else f"{x:.{n}f}"
-        # CPU s/GB x bytes per WR = s per WR; x 1e6 for us (the rows' writes are one WR each:
-        # the engine's slice is 1 MiB).
+        # CPU s/GB x bytes per write = s per write; x 1e6 for us (a write is one WR when it
+        # is no larger than the slice, 1 MiB unless KVWIRE_BENCH_ARGS sets it).
         wr = lambda r: None if not r or r.get("cpu_s_per_gb", {}).get("initiator") is None \
             else r["cpu_s_per_gb"]["initiator"] * size / 1e9 * 1e6
         print(f"| {label} | {size // 1024} KiB | {f(s and s['p50_us'], 1)} | {f(s and s['gbps'])} | {f(p1)} | {r1} "
