@@ -17,7 +17,6 @@ use std::time::{Duration, Instant};
 use clap::Args;
 use kvwire_bench::plan::{fmt_size, parse_size};
 use kvwire_bench::BenchError;
-use kvwire_transfer::verbs::find_loopback;
 use kvwire_transfer::{Access, Engine, EngineConfig, Op, Peer, RegionHandle, TransportKind};
 use serde_json::json;
 
@@ -156,24 +155,12 @@ impl Arm {
 }
 
 pub fn run(a: &SliceAbArgs) -> Result<ExitCode, BenchError> {
-    let exe = std::env::current_exe().map_err(|e| plan(format!("this binary's path: {e}")))?;
-    let path = match &a.verbs {
-        Some(p) => p.clone(),
-        None => find_loopback(&exe).ok_or_else(|| {
-            plan(format!(
-                "no libkvwire_verbs_loopback.so next to {} (build it: cargo build --release \
-                 -p kvwire-bench, or name it with --verbs)",
-                exe.display()
-            ))
-        })?,
-    };
     if a.batches < WINDOWS as usize || a.rounds == 0 || a.size == 0 {
         return Err(plan(format!(
             "--batches must be at least {WINDOWS}, --rounds and --size at least 1"
         )));
     }
-    std::env::set_var(kvwire_transfer::verbs::LIBRARY_ENV, &path);
-    std::env::set_var("KVWIRE_LOOPBACK_DEVICES", "1");
+    crate::wr_cost::use_loopback(a.verbs.as_deref())?;
     println!(
         "# kvwire-bench slice-ab: fixed against adaptive slices on the loopback device ({} \
          batches of one {} write per arm per round, {} rounds, {} warm-up batches)",

@@ -296,10 +296,12 @@ fn fmt(x: Option<f64>) -> String {
     x.map_or("-".into(), |v| format!("{v:.0}"))
 }
 
-pub fn run(a: &WrCostArgs) -> Result<ExitCode, BenchError> {
+/// Makes engines of this process load the loopback device (`verbs`, or the library next to this
+/// binary) as their verbs library, with one device; returns its path.
+pub fn use_loopback(verbs: Option<&std::path::Path>) -> Result<PathBuf, BenchError> {
     let exe = std::env::current_exe().map_err(|e| plan(format!("this binary's path: {e}")))?;
-    let path = match &a.verbs {
-        Some(p) => p.clone(),
+    let path = match verbs {
+        Some(p) => p.to_path_buf(),
         None => find_loopback(&exe).ok_or_else(|| {
             plan(format!(
                 "no libkvwire_verbs_loopback.so next to {} (build it: cargo build --release \
@@ -308,11 +310,16 @@ pub fn run(a: &WrCostArgs) -> Result<ExitCode, BenchError> {
             ))
         })?,
     };
+    std::env::set_var(kvwire_transfer::verbs::LIBRARY_ENV, &path);
+    std::env::set_var("KVWIRE_LOOPBACK_DEVICES", "1");
+    Ok(path)
+}
+
+pub fn run(a: &WrCostArgs) -> Result<ExitCode, BenchError> {
+    let path = use_loopback(a.verbs.as_deref())?;
     if a.wrs == 0 || a.rounds == 0 {
         return Err(plan("--wrs and --rounds must be at least 1"));
     }
-    std::env::set_var(kvwire_transfer::verbs::LIBRARY_ENV, &path);
-    std::env::set_var("KVWIRE_LOOPBACK_DEVICES", "1");
     let lo = Loopback::load(&path).map_err(|e| plan(format!("loopback device: {e}")))?;
     // Holds the device open for the whole run, so that every row measures the same completion
     // thread (one per device per process; it ends when its last engine is gone).
