@@ -407,7 +407,8 @@ pub fn throughput(kind: TransportKind, dev_t: &[&str], dev_i: &[&str]) -> f64 {
 
 /// Slices that adapt (4 KiB at first, up to 64 KiB): writes and reads of 2 MiB, every byte
 /// verified at both ends whatever size each batch was cut with, and every batch cut into
-/// slices of one of the sizes the sizer may pick (4 KiB doubled 0 to 4 times).
+/// slices of one of the sizes the sizer may pick (4 KiB doubled 0 to 4 times); then small
+/// batches, one configured slice per lane whatever the large ones grew to.
 pub fn adaptive_slices(dev_t: &[&str], dev_i: &[&str]) {
     let base = EngineConfig {
         rdma_slice_max: Some(64 << 10),
@@ -470,6 +471,32 @@ pub fn adaptive_slices(dev_t: &[&str], dev_i: &[&str]) {
             st.slices
         );
         reads.push(len / st.slices);
+    }
+    // A batch under one grown slice per lane still goes out on every lane (4), one configured
+    // slice each: 16 KiB is four 4 KiB slices, whatever size the large batches grew to.
+    let small = 16usize << 10;
+    for round in 0..4u64 {
+        let data = pattern(7100 + round, small);
+        p.init.local_write(p.src, 0, &data).expect("fill");
+        let op = Op {
+            local: p.src,
+            local_offset: 0,
+            remote: p.target.region_id(p.dst),
+            remote_offset: 0,
+            len: small as u64,
+        };
+        let st = p
+            .init
+            .write(&p.peer, &[op], None, None)
+            .expect("submit")
+            .wait()
+            .expect("small write");
+        check_eq(
+            &format!("small write {round}"),
+            &read_back(&p.target, p.dst, 0, small),
+            &data,
+        );
+        assert_eq!(st.slices, 4, "small write {round}: one WR per lane");
     }
     println!("adaptive slices, 40 writes and 40 reads of 2 MiB, every byte verified; slice sizes: writes {writes:?}, reads {reads:?}");
 }

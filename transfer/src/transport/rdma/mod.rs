@@ -38,7 +38,8 @@
 //! * **Posting**: each coalesced transfer is cut into slices of at most the peer's slice size
 //!   (`cfg.slice_size` at first; `slice` doubles it, up to
 //!   [`crate::EngineConfig::rdma_slice_max`], while doubling raises the rate of the peer's
-//!   large batches by 10%, i.e. while the per-WR cost rather than the wire limits it);
+//!   large batches by 10%, i.e. while the per-WR cost rather than the wire limits it; a
+//!   smaller batch is cut into one slice per lane, never below `cfg.slice_size`);
 //!   consecutive slices from one local region bound for consecutive remote bytes are gathered
 //!   into one work request with a scatter-gather list (`wr`: at most
 //!   [`crate::EngineConfig::rdma_max_sge`] pieces, default 16, and the slice size in bytes), so KV

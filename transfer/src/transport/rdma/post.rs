@@ -44,7 +44,7 @@ impl PeerTransport for RdmaPeer {
             Dir::Write => (SendOp::Write, sh.sge_write),
             Dir::Read => (SendOp::Read, sh.sge_read),
         };
-        let slice = sh.slice(b.dir);
+        let slice = sh.slice(b.dir, b.bytes);
         {
             let mrs = tr.mrs.read();
             for x in &b.xfers {

@@ -21,8 +21,11 @@
 //! 3. After [`REPROBE_WINDOWS`] windows at the settled size it tries the next doubling again,
 //!    with the last of those windows as the base (the load may have changed).
 //!
-//! It never goes below the configured `slice_size`. Batches cut before a change are not counted
-//! at the new size. The sizer is plain arithmetic on what it is told (no clock, no I/O), so its
+//! It never goes below the configured `slice_size`, and a batch too small to give every lane a
+//! request at the current size is cut into one request per lane instead (never smaller than
+//! `slice_size`), so a grown slice does not collapse a batch onto fewer queue pairs than the
+//! configured one would ([`SliceSizer::slice_for`]). Batches cut before a change are not
+//! counted at the new size. The sizer is plain arithmetic on what it is told (no clock, no I/O), so its
 //! decisions are tested by feeding it rates.
 
 /// Batches per measured window, at least.
@@ -88,9 +91,20 @@ impl SliceSizer {
         }
     }
 
-    /// The slice to cut a batch into now.
-    pub(super) fn slice(&self) -> u64 {
+    /// The current slice size (a large batch's).
+    #[cfg(test)]
+    fn slice(&self) -> u64 {
         self.cur
+    }
+
+    /// The slice to cut a batch of `bytes` with: the current size, or, when that would leave
+    /// some lane without a work request, the size that gives every lane one — but never less
+    /// than the configured slice. So a grown slice never puts a batch on fewer lanes than the
+    /// configured one would have. Such a batch is not counted in a window (its slice is not the
+    /// current one; with fewer requests than lanes it would not count anyway).
+    pub(super) fn slice_for(&self, bytes: u64) -> u64 {
+        let lanes = self.min_wrs / 2;
+        self.cur.min(self.floor.max(bytes.div_ceil(lanes)))
     }
 
     /// A batch cut with `slice` into `wrs` work requests moved `bytes` in `ns` nanoseconds
@@ -255,6 +269,31 @@ mod tests {
         assert_eq!(window(&mut s, 7, 1.0), None);
         assert_eq!(window(&mut s, 7, 1.0), None);
         assert_eq!(s.slice(), K64);
+    }
+
+    #[test]
+    fn a_grown_slice_still_spreads_a_small_batch_over_the_lanes() {
+        let mut s = SliceSizer::new(K64, 1 << 20, 2);
+        for (wrs, rate) in [(512, 10.0), (256, 20.0), (128, 40.0), (64, 80.0)] {
+            assert!(matches!(
+                window(&mut s, wrs, rate),
+                Some(Change::Probing(_))
+            ));
+        }
+        assert_eq!(s.slice(), 1 << 20);
+        // Large batches: the grown slice.
+        assert_eq!(s.slice_for(64 << 20), 1 << 20);
+        assert_eq!(s.slice_for(2 << 20), 1 << 20);
+        // Under one slice per lane: half each.
+        assert_eq!(s.slice_for(1 << 20), 512 << 10);
+        assert_eq!(s.slice_for((1 << 20) + 1), (512 << 10) + 1);
+        // Never below the configured slice.
+        assert_eq!(s.slice_for(100 << 10), K64);
+        assert_eq!(s.slice_for(1), K64);
+        // Not grown: the configured slice for every batch.
+        let s = SliceSizer::new(K64, 1 << 20, 2);
+        assert_eq!(s.slice_for(1 << 20), K64);
+        assert_eq!(s.slice_for(1), K64);
     }
 
     #[test]

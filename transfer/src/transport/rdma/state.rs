@@ -174,9 +174,9 @@ impl PeerShared {
         &self.slices[usize::from(dir == Dir::Read)]
     }
 
-    /// The slice size to cut a batch in direction `dir` into now.
-    pub(super) fn slice(&self, dir: Dir) -> u64 {
-        self.sizer(dir).lock().slice()
+    /// The slice size to cut a batch of `bytes` in direction `dir` into now.
+    pub(super) fn slice(&self, dir: Dir, bytes: u64) -> u64 {
+        self.sizer(dir).lock().slice_for(bytes)
     }
 
     /// Tells the slice sizer how a batch whose WRs all completed went.
