@@ -337,6 +337,31 @@ pub fn good_write(p: &Pair, seed: u64) {
     );
 }
 
+/// Writes `data` from `off` of the initiator's region to `off` of the target's, waits, and
+/// checks every byte at the target; returns the batch's stats.
+fn write_verified(p: &Pair, off: usize, data: &[u8], what: &str) -> kvwire_transfer::BatchStats {
+    p.init.local_write(p.src, off as u64, data).expect("fill");
+    let op = Op {
+        local: p.src,
+        local_offset: off as u64,
+        remote: p.target.region_id(p.dst),
+        remote_offset: off as u64,
+        len: data.len() as u64,
+    };
+    let st = p
+        .init
+        .write(&p.peer, &[op], None, None)
+        .expect("submit")
+        .wait()
+        .unwrap_or_else(|e| panic!("{what}: {e}"));
+    check_eq(
+        what,
+        &read_back(&p.target, p.dst, off as u64, data.len()),
+        data,
+    );
+    st
+}
+
 /// Four threads submitting at once, 4 KiB slices: more work requests than the queue pairs hold
 /// (the lanes' backlogs are drained by the completion thread); every byte verified.
 pub fn concurrent_submitters(dev_t: &[&str], dev_i: &[&str]) {
@@ -348,27 +373,9 @@ pub fn concurrent_submitters(dev_t: &[&str], dev_i: &[&str]) {
             s.spawn(move || {
                 for round in 0..6u64 {
                     let data = pattern(t as u64 * 100 + round, chunk);
-                    let off = (t * chunk) as u64;
-                    p.init.local_write(p.src, off, &data).expect("fill");
-                    let op = Op {
-                        local: p.src,
-                        local_offset: off,
-                        remote: p.target.region_id(p.dst),
-                        remote_offset: off,
-                        len: chunk as u64,
-                    };
-                    let st = p
-                        .init
-                        .write(&p.peer, &[op], None, None)
-                        .expect("submit")
-                        .wait()
-                        .expect("concurrent write");
+                    let what = format!("thread {t} round {round}");
+                    let st = write_verified(p, t * chunk, &data, &what);
                     assert_eq!(st.slices, chunk / 4096);
-                    check_eq(
-                        &format!("thread {t} round {round}"),
-                        &read_back(&p.target, p.dst, off, chunk),
-                        &data,
-                    );
                 }
             });
         }
@@ -419,27 +426,9 @@ pub fn adaptive_slices(dev_t: &[&str], dev_i: &[&str]) {
     let allowed: Vec<usize> = (0..5).map(|k| len / (4096 << k)).collect();
     let (mut writes, mut reads) = (Vec::new(), Vec::new());
     for round in 0..40u64 {
-        let off = (round as usize % 4 * len) as u64;
+        let off = round as usize % 4 * len;
         let data = pattern(7000 + round, len);
-        p.init.local_write(p.src, off, &data).expect("fill");
-        let op = Op {
-            local: p.src,
-            local_offset: off,
-            remote: p.target.region_id(p.dst),
-            remote_offset: off,
-            len: len as u64,
-        };
-        let st = p
-            .init
-            .write(&p.peer, &[op], None, None)
-            .expect("submit")
-            .wait()
-            .expect("adaptive write");
-        check_eq(
-            &format!("adaptive write {round}"),
-            &read_back(&p.target, p.dst, off, len),
-            &data,
-        );
+        let st = write_verified(&p, off, &data, &format!("adaptive write {round}"));
         assert!(
             allowed.contains(&st.slices),
             "write {round}: {} WRs",
@@ -448,11 +437,14 @@ pub fn adaptive_slices(dev_t: &[&str], dev_i: &[&str]) {
         writes.push(len / st.slices);
         // Read it back into another window of the initiator's region.
         p.init
-            .local_write(p.src, off + (4 * len) as u64, &vec![0u8; len])
+            .local_write(p.src, (off + 4 * len) as u64, &vec![0u8; len])
             .expect("clear");
         let rop = Op {
-            local_offset: off + (4 * len) as u64,
-            ..op
+            local: p.src,
+            local_offset: (off + 4 * len) as u64,
+            remote: p.target.region_id(p.dst),
+            remote_offset: off as u64,
+            len: len as u64,
         };
         let st = p
             .init
@@ -462,7 +454,7 @@ pub fn adaptive_slices(dev_t: &[&str], dev_i: &[&str]) {
             .expect("adaptive read");
         check_eq(
             &format!("adaptive read {round}"),
-            &read_back(&p.init, p.src, off + (4 * len) as u64, len),
+            &read_back(&p.init, p.src, (off + 4 * len) as u64, len),
             &data,
         );
         assert!(
@@ -477,25 +469,7 @@ pub fn adaptive_slices(dev_t: &[&str], dev_i: &[&str]) {
     let small = 16usize << 10;
     for round in 0..4u64 {
         let data = pattern(7100 + round, small);
-        p.init.local_write(p.src, 0, &data).expect("fill");
-        let op = Op {
-            local: p.src,
-            local_offset: 0,
-            remote: p.target.region_id(p.dst),
-            remote_offset: 0,
-            len: small as u64,
-        };
-        let st = p
-            .init
-            .write(&p.peer, &[op], None, None)
-            .expect("submit")
-            .wait()
-            .expect("small write");
-        check_eq(
-            &format!("small write {round}"),
-            &read_back(&p.target, p.dst, 0, small),
-            &data,
-        );
+        let st = write_verified(&p, 0, &data, &format!("small write {round}"));
         assert_eq!(st.slices, 4, "small write {round}: one WR per lane");
     }
     println!("adaptive slices, 40 writes and 40 reads of 2 MiB, every byte verified; slice sizes: writes {writes:?}, reads {reads:?}");
