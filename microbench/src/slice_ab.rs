@@ -20,6 +20,8 @@ use kvwire_bench::BenchError;
 use kvwire_transfer::{Access, Engine, EngineConfig, Op, Peer, RegionHandle, TransportKind};
 use serde_json::json;
 
+use crate::wr_cost::{connect_rdma, plan, use_loopback};
+
 #[derive(Args)]
 pub struct SliceAbArgs {
     /// The loopback device's library [default: libkvwire_verbs_loopback.so next to this
@@ -47,10 +49,6 @@ pub struct SliceAbArgs {
     /// Also write the results as JSON to FILE.
     #[arg(long, value_name = "FILE")]
     json: Option<PathBuf>,
-}
-
-fn plan(m: impl std::fmt::Display) -> BenchError {
-    BenchError::Plan(m.to_string())
 }
 
 /// Windows of the target's region the timed batches write in turn.
@@ -87,15 +85,7 @@ impl Arm {
             .map_err(|e| plan(format!("source region: {e}")))?;
         init.local_write(src, 0, data)
             .map_err(|e| plan(format!("fill: {e}")))?;
-        let peer = init
-            .connect(target.listen_addr())
-            .map_err(|e| plan(format!("connect: {e}")))?;
-        if peer.transport() != TransportKind::Rdma {
-            return Err(plan(format!(
-                "the pair chose {:?}, not rdma",
-                peer.transport()
-            )));
-        }
+        let peer = connect_rdma(&init, &target)?;
         Ok(Arm {
             target,
             init,
@@ -160,7 +150,7 @@ pub fn run(a: &SliceAbArgs) -> Result<ExitCode, BenchError> {
             "--batches must be at least {WINDOWS}, --rounds and --size at least 1"
         )));
     }
-    crate::wr_cost::use_loopback(a.verbs.as_deref())?;
+    use_loopback(a.verbs.as_deref())?;
     println!(
         "# kvwire-bench slice-ab: fixed against adaptive slices on the loopback device ({} \
          batches of one {} write per arm per round, {} rounds, {} warm-up batches)",

@@ -29,7 +29,7 @@ use kvwire_transfer::verbs::{
     find_loopback, Access as VAccess, ConnectParams, Cq, Loopback, Mtu, Qp, QpCaps, SendOp,
     SendRequest, Verbs,
 };
-use kvwire_transfer::{Access, Engine, EngineConfig, Op, TransportKind};
+use kvwire_transfer::{Access, Engine, EngineConfig, Op, Peer, TransportKind};
 use serde_json::json;
 
 #[derive(Args)]
@@ -61,7 +61,22 @@ pub struct WrCostArgs {
     json: Option<PathBuf>,
 }
 
-fn plan(m: impl std::fmt::Display) -> BenchError {
+/// `init` connected to `target` over rdma (an error if the pair chose another transport).
+pub fn connect_rdma(init: &Engine, target: &Engine) -> Result<Peer, BenchError> {
+    let peer = init
+        .connect(target.listen_addr())
+        .map_err(|e| plan(format!("connect: {e}")))?;
+    if peer.transport() != TransportKind::Rdma {
+        return Err(plan(format!(
+            "the pair chose {:?}, not rdma",
+            peer.transport()
+        )));
+    }
+    Ok(peer)
+}
+
+/// A plan error from a message (also `slice-ab`'s).
+pub fn plan(m: impl std::fmt::Display) -> BenchError {
     BenchError::Plan(m.to_string())
 }
 
@@ -121,15 +136,7 @@ fn engine_row(lo: &Loopback, sh: &Shape, a: &WrCostArgs) -> Result<Row, BenchErr
     let src = init
         .alloc_region(len, Access::Local)
         .map_err(|e| plan(format!("source region: {e}")))?;
-    let peer = init
-        .connect(target.listen_addr())
-        .map_err(|e| plan(format!("connect: {e}")))?;
-    if peer.transport() != TransportKind::Rdma {
-        return Err(plan(format!(
-            "the pair chose {:?}, not rdma",
-            peer.transport()
-        )));
-    }
+    let peer = connect_rdma(&init, &target)?;
     // One op per slice, in reverse order (coalesced back into one transfer, cut into a work
     // request per slice); scattered: local slots reversed against the remote ones, so that
     // nothing coalesces.
