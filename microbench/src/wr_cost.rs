@@ -50,7 +50,7 @@ pub struct WrCostArgs {
     #[arg(long, default_value_t = 256)]
     wrs: usize,
     /// KV block sizes for the scatter-gather rows (`--wrs` blocks per batch, 1 MiB slices),
-    /// comma separated; empty: none.
+    /// comma separated; 0: none.
     #[arg(long, value_delimiter = ',', default_value = "16K,64K", value_parser = parse_size)]
     blocks: Vec<u64>,
     /// Timed batches per row.
@@ -355,7 +355,7 @@ pub fn run(a: &WrCostArgs) -> Result<ExitCode, BenchError> {
         }
     }
     let mut gathered = Vec::new();
-    for &block in &a.blocks {
+    for &block in a.blocks.iter().filter(|&&b| b > 0) {
         for max_sge in [Some(1), None] {
             let sh = Shape {
                 unit: block,
