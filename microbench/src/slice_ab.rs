@@ -167,7 +167,12 @@ pub fn run(a: &SliceAbArgs) -> Result<ExitCode, BenchError> {
     println!("|---|---|---|---|---|---|---|");
     let mut js = Vec::new();
     for &slice in &a.slices {
-        let max = a.max.unwrap_or(slice.saturating_mul(16).min(64 << 20));
+        let (_, max) = EngineConfig {
+            slice_size: slice as usize,
+            rdma_slice_max: a.max,
+            ..EngineConfig::default()
+        }
+        .rdma_slices();
         let data = kvwire_testkit::pattern::bytes(slice, 0, a.size as usize);
         let mut fixed = Arm::new(slice, slice, a.size, &data)?;
         let mut adaptive = Arm::new(slice, max, a.size, &data)?;

@@ -196,7 +196,25 @@ impl EngineConfig {
             ..EngineConfig::default()
         }
     }
+
+    /// RDMA: the slice size a peer starts at ([`EngineConfig::slice_size`]) and the largest it
+    /// may grow to ([`EngineConfig::rdma_slice_max`], or its default), both within 1 GiB.
+    pub fn rdma_slices(&self) -> (u64, u64) {
+        let slice = (self.slice_size as u64).clamp(1, MAX_RDMA_SLICE);
+        let max = match self.rdma_slice_max {
+            Some(m) if m > 0 => m,
+            _ => (slice * RDMA_SLICE_GROWTH).min(RDMA_SLICE_MAX_DEFAULT),
+        };
+        (slice, max.clamp(slice, MAX_RDMA_SLICE))
+    }
 }
+
+/// The largest RDMA slice: 1 GiB (a WR's length is 32 bits).
+const MAX_RDMA_SLICE: u64 = 1 << 30;
+/// The default largest slice RDMA grows to: this many times the configured slice, ...
+const RDMA_SLICE_GROWTH: u64 = 16;
+/// ... and at most this.
+const RDMA_SLICE_MAX_DEFAULT: u64 = 64 << 20;
 
 /// A numeric knob: `None` when unset, or (with a warning) when it is not a number.
 fn number_knob(name: &str) -> Option<u64> {
@@ -213,5 +231,31 @@ fn number_knob(name: &str) -> Option<u64> {
             );
             None
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::EngineConfig;
+
+    fn bounds(slice_size: usize, rdma_slice_max: Option<u64>) -> (u64, u64) {
+        EngineConfig {
+            slice_size,
+            rdma_slice_max,
+            ..EngineConfig::default()
+        }
+        .rdma_slices()
+    }
+
+    #[test]
+    fn slices_grow_sixteenfold_by_default_at_most_to_64_mib() {
+        assert_eq!(bounds(64 << 10, None), (64 << 10, 1 << 20));
+        assert_eq!(bounds(1 << 20, Some(0)), (1 << 20, 16 << 20));
+        assert_eq!(bounds(8 << 20, None), (8 << 20, 64 << 20));
+        assert_eq!(bounds(128 << 20, None), (128 << 20, 128 << 20));
+        // Asked: taken as is, never below the slice, never past 1 GiB.
+        assert_eq!(bounds(1 << 20, Some(4 << 20)), (1 << 20, 4 << 20));
+        assert_eq!(bounds(1 << 20, Some(1)), (1 << 20, 1 << 20));
+        assert_eq!(bounds(4 << 30, Some(u64::MAX)), (1 << 30, 1 << 30));
     }
 }

@@ -25,8 +25,8 @@
 //! request at the current size is cut into one request per lane instead (never smaller than
 //! `slice_size`), so a grown slice does not collapse a batch onto fewer queue pairs than the
 //! configured one would ([`SliceSizer::slice_for`]). Batches cut before a change are not
-//! counted at the new size. The sizer is plain arithmetic on what it is told (no clock, no I/O), so its
-//! decisions are tested by feeding it rates.
+//! counted at the new size. The sizer is plain arithmetic on what it is told (no clock, no
+//! I/O), so its decisions are tested by feeding it rates.
 
 /// Batches per measured window, at least.
 pub(super) const WINDOW: u32 = 8;
@@ -116,7 +116,7 @@ impl SliceSizer {
         self.bytes = self.bytes.saturating_add(bytes);
         self.ns = self.ns.saturating_add(ns);
         self.wrs = self.wrs.saturating_add(wrs);
-        self.batches += 1;
+        self.batches = self.batches.saturating_add(1);
         if self.batches < WINDOW || self.ns < WINDOW_NS {
             return None;
         }

@@ -479,7 +479,7 @@ impl Transport for RdmaTransport {
             }
         }
         drop(slots); // QPs of devices without a partner
-        let (slice, slice_max) = slice_bounds(ctx.cfg.slice_size, ctx.cfg.rdma_slice_max);
+        let (slice, slice_max) = ctx.cfg.rdma_slices();
         let nlanes = lanes.len();
         let sh = nics::add_peer(|key| {
             Arc::new(PeerShared {
@@ -512,24 +512,6 @@ impl Transport for RdmaTransport {
     }
 }
 
-/// The largest slice: 1 GiB (a WR's length is 32 bits).
-const MAX_SLICE: u64 = 1 << 30;
-/// The default largest slice the sizer grows to: this many times the configured slice, ...
-const SLICE_GROWTH: u64 = 16;
-/// ... and at most this.
-const SLICE_MAX_DEFAULT: u64 = 64 << 20;
-
-/// The configured slice size and the largest the sizer may grow it to (`asked`:
-/// `EngineConfig::rdma_slice_max`, `None` or 0 = the default), both within 1 GiB.
-fn slice_bounds(slice_size: usize, asked: Option<u64>) -> (u64, u64) {
-    let slice = (slice_size as u64).clamp(1, MAX_SLICE);
-    let max = match asked {
-        Some(m) if m > 0 => m,
-        _ => (slice * SLICE_GROWTH).min(SLICE_MAX_DEFAULT),
-    };
-    (slice, max.clamp(slice, MAX_SLICE))
-}
-
 /// The chunk length regions are registered in: `asked` (`EngineConfig::rdma_mr_chunk`; `None`
 /// or 0: no limit of ours) and every device's limit (`max_mr`, 0: none said), whichever is
 /// smallest, rounded down to whole pages (at least one); `u64::MAX` when nothing limits it.
@@ -547,19 +529,7 @@ fn mr_chunk(asked: Option<u64>, max_mr: impl Iterator<Item = u64>) -> u64 {
 
 #[cfg(test)]
 mod tests {
-    use super::{mr_chunk, slice_bounds};
-
-    #[test]
-    fn slices_grow_sixteenfold_by_default_at_most_to_64_mib() {
-        assert_eq!(slice_bounds(64 << 10, None), (64 << 10, 1 << 20));
-        assert_eq!(slice_bounds(1 << 20, Some(0)), (1 << 20, 16 << 20));
-        assert_eq!(slice_bounds(8 << 20, None), (8 << 20, 64 << 20));
-        assert_eq!(slice_bounds(128 << 20, None), (128 << 20, 128 << 20));
-        // Asked: taken as is, never below the slice, never past 1 GiB.
-        assert_eq!(slice_bounds(1 << 20, Some(4 << 20)), (1 << 20, 4 << 20));
-        assert_eq!(slice_bounds(1 << 20, Some(1)), (1 << 20, 1 << 20));
-        assert_eq!(slice_bounds(4 << 30, Some(u64::MAX)), (1 << 30, 1 << 30));
-    }
+    use super::mr_chunk;
 
     #[test]
     fn the_chunk_is_the_smallest_limit_in_whole_pages() {
