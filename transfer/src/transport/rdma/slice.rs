@@ -18,8 +18,12 @@
 //!    largest slice ([`crate::EngineConfig::rdma_slice_max`]), nor to a size that would leave the
 //!    window's batches with fewer than two work requests per lane (large slices must still be
 //!    spread over every queue pair).
-//! 3. After [`REPROBE_WINDOWS`] windows at the settled size it tries the next doubling again,
-//!    with the last of those windows as the base (the load may have changed).
+//! 3. After [`REPROBE_WINDOWS`] windows at the settled size it probes again, with the last of
+//!    those windows as the base (the load may have changed): alternately the next doubling and,
+//!    above the configured size, a halving. A halving is kept, and the next one tried, when it
+//!    raised the rate by at least [`GAIN`] — the same search downwards — so a slice grown while
+//!    the request rate limited comes back down once smaller slices move more. Where only one
+//!    direction is possible it tries that one.
 //!
 //! It never goes below the configured `slice_size`, and a batch too small to give every lane a
 //! request at the current size is cut into one request per lane instead (never smaller than
@@ -34,7 +38,7 @@ pub(super) const WINDOW: u32 = 8;
 pub(super) const WINDOW_NS: u64 = 50_000_000;
 /// A doubling of the slice is kept when it raised the rate by at least this fraction.
 pub(super) const GAIN: f64 = 0.10;
-/// Windows at a settled size before the next doubling is tried again.
+/// Windows at a settled size before the next probe.
 pub(super) const REPROBE_WINDOWS: u32 = 64;
 
 /// Where the sizer is in its search.
@@ -42,10 +46,12 @@ pub(super) const REPROBE_WINDOWS: u32 = 64;
 enum Phase {
     /// Measuring the current size as the base of the first doubling.
     Base,
-    /// Measuring the current size, double `base`, whose rate was `rate` (bytes per ns).
-    Probe { base: u64, rate: f64 },
-    /// Settled at the current size; `left` windows before the next doubling is tried.
-    Settled { left: u32 },
+    /// Measuring the current size, double (`up`) or half `base`, whose rate was `rate` (bytes
+    /// per ns).
+    Probe { base: u64, rate: f64, up: bool },
+    /// Settled at the current size; `left` windows before the next probe, which halves first
+    /// when `down` (and doubles first otherwise).
+    Settled { left: u32, down: bool },
 }
 
 /// The slice size of one peer's work requests in one direction (see the module docs).
@@ -67,9 +73,9 @@ pub(super) struct SliceSizer {
 /// A change of slice size, for the log.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub(super) enum Change {
-    /// Trying a doubled size.
+    /// Trying a doubled or halved size.
     Probing(u64),
-    /// Settled at this size: the last doubling did not pay, or none is possible.
+    /// Settled at this size: the last probe did not pay, or none is possible.
     Settled(u64),
 }
 
@@ -124,47 +130,78 @@ impl SliceSizer {
         let wrs_per_batch = self.wrs / u64::from(self.batches);
         (self.bytes, self.ns, self.wrs, self.batches) = (0, 0, 0, 0);
         match self.phase {
-            Phase::Base => Some(self.try_doubling(rate, wrs_per_batch)),
-            Phase::Probe { base, rate: before } => {
+            Phase::Base => Some(self.probe(true, rate, wrs_per_batch)),
+            Phase::Probe {
+                base,
+                rate: before,
+                up,
+            } => {
                 if rate >= before * (1.0 + GAIN) {
-                    Some(self.try_doubling(rate, wrs_per_batch))
+                    Some(self.probe(up, rate, wrs_per_batch))
                 } else {
+                    // Back to the last size that paid; the next probe goes the other way.
                     self.cur = base;
-                    self.phase = Phase::Settled {
-                        left: REPROBE_WINDOWS,
-                    };
+                    self.settle(up);
                     Some(Change::Settled(base))
                 }
             }
-            Phase::Settled { left } if left > 1 => {
-                self.phase = Phase::Settled { left: left - 1 };
+            Phase::Settled { left, down } if left > 1 => {
+                self.phase = Phase::Settled {
+                    left: left - 1,
+                    down,
+                };
                 None
             }
-            Phase::Settled { .. } => match self.try_doubling(rate, wrs_per_batch) {
-                // Still no room to grow: stay quietly.
-                Change::Settled(_) => None,
-                c => Some(c),
-            },
+            Phase::Settled { down, .. } => {
+                let first = self.probe(!down, rate, wrs_per_batch);
+                let change = match first {
+                    Change::Settled(_) => self.probe(down, rate, wrs_per_batch),
+                    c => c,
+                };
+                match change {
+                    // No room either way: stay quietly.
+                    Change::Settled(_) => None,
+                    c => Some(c),
+                }
+            }
         }
     }
 
-    /// Doubles the slice after a window at `rate` whose batches had `wrs_per_batch` work
-    /// requests each, when the cap and the lanes allow it; settles otherwise.
-    fn try_doubling(&mut self, rate: f64, wrs_per_batch: u64) -> Change {
-        let next = self.cur.saturating_mul(2);
-        if next <= self.max && wrs_per_batch / 2 >= self.min_wrs {
-            self.phase = Phase::Probe {
-                base: self.cur,
-                rate,
-            };
-            self.cur = next;
-            Change::Probing(next)
+    /// Probes the next size up (double) or down (half) after a window at `rate` whose batches
+    /// had `wrs_per_batch` work requests each, when the cap, the lanes and the configured slice
+    /// allow it; settles otherwise.
+    fn probe(&mut self, up: bool, rate: f64, wrs_per_batch: u64) -> Change {
+        let next = if up {
+            let next = self.cur.saturating_mul(2);
+            (next <= self.max && wrs_per_batch / 2 >= self.min_wrs).then_some(next)
         } else {
-            self.phase = Phase::Settled {
-                left: REPROBE_WINDOWS,
-            };
-            Change::Settled(self.cur)
+            let next = self.cur / 2;
+            (next >= self.floor).then_some(next)
+        };
+        match next {
+            Some(next) => {
+                self.phase = Phase::Probe {
+                    base: self.cur,
+                    rate,
+                    up,
+                };
+                self.cur = next;
+                Change::Probing(next)
+            }
+            None => {
+                self.settle(!up);
+                Change::Settled(self.cur)
+            }
         }
+    }
+
+    /// Settles at the current size; the next probe, [`REPROBE_WINDOWS`] windows on, halves
+    /// first when `down`.
+    fn settle(&mut self, down: bool) {
+        self.phase = Phase::Settled {
+            left: REPROBE_WINDOWS,
+            down,
+        };
     }
 }
 
@@ -239,12 +276,43 @@ mod tests {
             Some(Change::Settled(4 * K64))
         );
         assert_eq!(s.slice(), 4 * K64);
-        // Settled: nothing changes until REPROBE_WINDOWS windows went by, then it tries again.
+        // Settled: nothing changes until REPROBE_WINDOWS windows went by. The doubling did not
+        // pay, so the next probe halves; that does not pay either, and the one after doubles.
+        for _ in 1..REPROBE_WINDOWS {
+            assert_eq!(window(&mut s, 128, 18.0), None);
+        }
+        assert_eq!(window(&mut s, 128, 18.0), Some(Change::Probing(2 * K64)));
+        assert_eq!(window(&mut s, 256, 17.0), Some(Change::Settled(4 * K64)));
         for _ in 1..REPROBE_WINDOWS {
             assert_eq!(window(&mut s, 128, 18.0), None);
         }
         assert_eq!(window(&mut s, 128, 18.0), Some(Change::Probing(8 * K64)));
         assert_eq!(window(&mut s, 64, 18.5), Some(Change::Settled(4 * K64)));
+    }
+
+    #[test]
+    fn a_grown_slice_comes_back_down_when_smaller_ones_move_more() {
+        let mut s = SliceSizer::new(K64, 16 << 20, 1);
+        // The request rate limits: grows to 256 KiB.
+        assert_eq!(window(&mut s, 512, 10.0), Some(Change::Probing(2 * K64)));
+        assert_eq!(window(&mut s, 256, 15.0), Some(Change::Probing(4 * K64)));
+        assert_eq!(window(&mut s, 128, 20.0), Some(Change::Probing(8 * K64)));
+        assert_eq!(window(&mut s, 64, 20.5), Some(Change::Settled(4 * K64)));
+        // The load changes: 256 KiB slices now move 10, smaller ones more.
+        for _ in 1..REPROBE_WINDOWS {
+            assert_eq!(window(&mut s, 128, 10.0), None);
+        }
+        assert_eq!(window(&mut s, 128, 10.0), Some(Change::Probing(2 * K64)));
+        assert_eq!(window(&mut s, 256, 12.0), Some(Change::Probing(K64)));
+        // Down at the configured slice: settled there, and never below it.
+        assert_eq!(window(&mut s, 512, 14.0), Some(Change::Settled(K64)));
+        assert_eq!(s.slice(), K64);
+        // At the configured slice the next probe doubles.
+        for _ in 1..REPROBE_WINDOWS {
+            assert_eq!(window(&mut s, 512, 14.0), None);
+        }
+        assert_eq!(window(&mut s, 512, 14.0), Some(Change::Probing(2 * K64)));
+        assert_eq!(window(&mut s, 256, 14.0), Some(Change::Settled(K64)));
     }
 
     #[test]

@@ -188,7 +188,7 @@ impl PeerShared {
             .observe(s.slice, s.wrs, s.bytes, ns);
         match change {
             Some(Change::Probing(n)) => {
-                tracing::debug!(dir = ?s.dir, slice = n, "rdma: trying a bigger slice size");
+                tracing::debug!(dir = ?s.dir, slice = n, "rdma: trying another slice size");
             }
             Some(Change::Settled(n)) => {
                 tracing::debug!(dir = ?s.dir, slice = n, "rdma: slice size settled");
