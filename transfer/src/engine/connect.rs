@@ -47,7 +47,7 @@ impl Engine {
     fn connect_inner(&self, addr: SocketAddr) -> Result<Peer, Error> {
         let core = self.core();
         core.check_open()?;
-        if core.is_fenced(addr, None) {
+        if core.fenced.refuses(addr, None) {
             return Err(Error::Fenced { addr });
         }
         let slot = PeerSlot::take(&core.peer_count, core.cfg.limits.max_peers)?;
@@ -185,7 +185,10 @@ impl Core {
             }
             // Under `reg_lock`: a fence of this address either came first (refused here) or
             // comes after the peer is registered (and closes it).
-            if self.is_fenced(peer.listen_addr, Some(&peer.remote_host)) {
+            if self
+                .fenced
+                .refuses(peer.listen_addr, Some(&peer.remote_host))
+            {
                 let e = Error::Fenced {
                     addr: peer.listen_addr,
                 };
@@ -200,7 +203,7 @@ impl Core {
                 .lock()
                 .insert(peer.lane_in.sid, Arc::downgrade(&peer));
             self.peers.lock().insert(id, peer.clone());
-            self.saw_peer(peer.listen_addr, &peer.remote_host);
+            self.fenced.saw(peer.listen_addr, &peer.remote_host);
             // Counted before the handshake's last message goes out (visible to the remote).
             self.metrics.connections[usize::from(!initiator)].fetch_add(1, Ordering::Relaxed);
             let shm = peer.same_host;

@@ -12,8 +12,8 @@ use crossbeam_channel::Sender;
 use parking_lot::Mutex;
 
 use super::fence::RegionFences;
+use super::fenced::FencedAddrs;
 use super::peer::{peer_reposts, EngineId, Peer, PeerInner};
-use super::peer_fence::AddrFence;
 use crate::batch::Timer;
 use crate::config::EngineConfig;
 use crate::error::Error;
@@ -47,9 +47,7 @@ pub(crate) struct Core {
     /// Session ids of the lanes peers open into us (see `auth`), while their peer lives.
     pub(super) sessions: Mutex<HashMap<[u8; 16], Weak<PeerInner>>>,
     /// Fenced peer engines (by listen address), with their processes and session ids.
-    pub(super) fenced: Mutex<HashMap<SocketAddr, AddrFence>>,
-    /// The process last seen at each peer listen address (bounded, see `Core::saw_peer`).
-    pub(super) seen: Mutex<HashMap<SocketAddr, HostIdentity>>,
+    pub(super) fenced: FencedAddrs,
     /// Held while (region table change + broadcast) and while (peer insert + region snapshot),
     /// so every peer sees every region change exactly in order.
     pub(super) reg_lock: Mutex<()>,
@@ -250,7 +248,7 @@ impl Core {
         if let Some(g) = &self.metrics_gate {
             (guard.metrics_conns_live, guard.metrics_conns_evicted) = metrics::gate_counts(g);
         }
-        guard.fenced_peers = self.fenced.lock().len() as u64;
+        guard.fenced_peers = self.fenced.len() as u64;
         self.metrics.snapshot(metrics::SnapshotExtra {
             peers: ps,
             lanes_reestablished_live: lanes,

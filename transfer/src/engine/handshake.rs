@@ -325,7 +325,7 @@ pub(super) fn responder_handshake(
     }
     let lanes_in = lanes_allowed(core, ilanes)?;
     let lane_addr = SocketAddr::new(s.peer_addr()?.ip(), listen_port);
-    if core.is_fenced(lane_addr, Some(&ihost)) {
+    if core.fenced.refuses(lane_addr, Some(&ihost)) {
         return Err(Fail::Answer(Error::Fenced { addr: lane_addr }));
     }
     let kind = choose_transport(core, itransports, &ihost, &iblobs).map_err(Fail::Answer)?;

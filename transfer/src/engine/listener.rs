@@ -134,9 +134,8 @@ impl Core {
         if let Some(p) = self.sessions.lock().get(sid).and_then(Weak::upgrade) {
             return Ok((p.clone(), p.lane_in));
         }
-        let fenced = self.fenced.lock();
-        match fenced.iter().find(|(_, f)| f.sids.contains(sid)) {
-            Some((addr, _)) => Err(Error::Fenced { addr: *addr }),
+        match self.fenced.of_session(sid) {
+            Some(addr) => Err(Error::Fenced { addr }),
             None => Err(Error::AuthFailed),
         }
     }

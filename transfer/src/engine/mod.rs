@@ -4,6 +4,7 @@
 //! do, in the modules below (each using only the ones listed before it):
 //! * `peer`: [`Peer`], a peer's state and its view of the remote's regions;
 //! * `fence`: region withdrawals awaiting same-host peers' answers;
+//! * `fenced`: the fenced peer addresses and the processes refused there;
 //! * `core`: [`Engine`], [`Descriptor`], `Core`; tearing down peers and the engine;
 //! * `regions`: registering, unregistering, local copies;
 //! * `handshake`: transport choice and the engine's side of the handshake (protocol 4);
@@ -18,6 +19,7 @@ mod connect;
 mod control;
 mod core;
 mod fence;
+mod fenced;
 mod handshake;
 mod listener;
 mod peer;

@@ -1,10 +1,7 @@
 //! Fencing a peer engine ([`Engine::fence`]): every connection from it closed, its handshakes
 //! and lane joins refused, and no copy of it into our memory still running when it returns.
 //!
-//! A fence is on a listen address and on the processes seen there: a later process at that
-//! address (the peer restarted: another host identity) is not the one fenced and is accepted,
-//! so a restart never waits for the fence's owner to lift it. An address where no peer was
-//! ever seen is fenced for every process.
+//! Which processes a fence refuses, and for how long, is `fenced`'s.
 
 use std::net::SocketAddr;
 use std::sync::atomic::Ordering;
@@ -18,7 +15,6 @@ use crate::error::Error;
 use crate::types::RegionId;
 use crate::wire::fence::{EngineMsg, FenceKind};
 use crate::wire::CtrlMsg;
-use crate::wire::HostIdentity;
 
 impl Engine {
     /// Fences the peer engine whose listen address (as it announced it in its handshake, or
@@ -53,15 +49,8 @@ impl Engine {
                 .filter(|p| p.listen_addr == addr)
                 .cloned()
                 .collect();
-            let last = core.seen.lock().get(&addr).cloned();
-            let mut f = core.fenced.lock();
-            let fence = f.entry(addr).or_default();
-            for p in &ps {
-                fence.add(Some(p.lane_in.sid), &p.remote_host);
-            }
-            if let Some(h) = last {
-                fence.add(None, &h);
-            }
+            core.fenced
+                .fence(addr, ps.iter().map(|p| (p.lane_in.sid, &p.remote_host)));
             ps
         };
         tracing::info!(%addr, peers = peers.len(), "fencing peer");
@@ -88,75 +77,16 @@ impl Engine {
     pub fn unfence(&self, addr: SocketAddr) -> bool {
         let core = self.core();
         let _g = core.reg_lock.lock();
-        core.fenced.lock().remove(&addr).is_some()
+        core.fenced.unfence(addr)
     }
 
     /// The fenced addresses.
     pub fn fenced(&self) -> Vec<SocketAddr> {
-        let mut v: Vec<SocketAddr> = self.core().fenced.lock().keys().copied().collect();
-        v.sort();
-        v
+        self.core().fenced.addrs()
     }
 }
-
-/// The fence on one listen address.
-#[derive(Default)]
-pub(super) struct AddrFence {
-    /// Lane session ids of the peers fenced (their lane joins are refused).
-    pub(super) sids: Vec<[u8; 16]>,
-    /// The processes fenced there; none known: every process at the address.
-    procs: Vec<HostIdentity>,
-}
-
-impl AddrFence {
-    fn add(&mut self, sid: Option<[u8; 16]>, host: &HostIdentity) {
-        if let Some(sid) = sid.filter(|s| !self.sids.contains(s)) {
-            self.sids.push(sid);
-        }
-        if !self.procs.contains(host) {
-            self.procs.push(host.clone());
-        }
-    }
-
-    /// Whether a peer at the fenced address is refused: `host` is its identity once its
-    /// handshake told it, `None` before (a dial is refused only when every process is).
-    pub(super) fn refuses(&self, host: Option<&HostIdentity>) -> bool {
-        self.procs.is_empty() || host.is_some_and(|h| self.procs.contains(h))
-    }
-}
-
-/// How many listen addresses `Core::seen` remembers per peer slot.
-const SEEN_PER_PEER: usize = 4;
 
 impl Core {
-    /// Whether the peer engine listening at `addr`, with identity `host` when known, is
-    /// fenced.
-    pub(super) fn is_fenced(&self, addr: SocketAddr, host: Option<&HostIdentity>) -> bool {
-        self.fenced
-            .lock()
-            .get(&addr)
-            .is_some_and(|f| f.refuses(host))
-    }
-
-    /// Remembers the process last seen at listen address `addr` (so that a fence after it has
-    /// gone still names it). Bounded: past `SEEN_PER_PEER` × `max_peers` addresses, one
-    /// remembered address is forgotten for each new one.
-    pub(super) fn saw_peer(&self, addr: SocketAddr, host: &HostIdentity) {
-        let cap = self
-            .cfg
-            .limits
-            .max_peers
-            .saturating_mul(SEEN_PER_PEER)
-            .max(1);
-        let mut seen = self.seen.lock();
-        if seen.len() >= cap && !seen.contains_key(&addr) {
-            if let Some(k) = seen.keys().next().copied() {
-                seen.remove(&k);
-            }
-        }
-        seen.insert(addr, host.clone());
-    }
-
     /// Withdraws every offered region from same-host peers `peers` and waits for their
     /// confirmation that none of their copies into them runs any more (see
     /// `Engine::unregister`).
@@ -196,38 +126,5 @@ impl Core {
             seq
         };
         self.await_fence(seq)
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    fn proc_(pid: u32) -> HostIdentity {
-        HostIdentity {
-            boot_id: "b".into(),
-            pid_ns: "p".into(),
-            mnt_ns: "m".into(),
-            pid,
-        }
-    }
-
-    #[test]
-    fn a_fence_refuses_its_processes_and_every_one_when_none_is_known() {
-        let mut f = AddrFence::default();
-        assert!(
-            f.refuses(None),
-            "no process known: every one refused, dials too"
-        );
-        assert!(f.refuses(Some(&proc_(7))));
-        f.add(Some([1; 16]), &proc_(7));
-        f.add(None, &proc_(7));
-        assert_eq!(f.sids, vec![[1; 16]]);
-        assert!(f.refuses(Some(&proc_(7))), "the fenced process");
-        assert!(
-            !f.refuses(Some(&proc_(8))),
-            "another process there: a restart"
-        );
-        assert!(!f.refuses(None), "a dial is let through to its handshake");
     }
 }

@@ -9,6 +9,7 @@ use parking_lot::Mutex;
 
 use super::core::{Core, Engine, Handle, Logs};
 use super::fence::RegionFences;
+use super::fenced::FencedAddrs;
 use super::listener::accept_loop;
 use super::peer::EngineId;
 use crate::batch::Timer;
@@ -122,8 +123,7 @@ impl Engine {
             regions: Arc::new(RegionTable::default()),
             peers: Mutex::new(HashMap::new()),
             sessions: Mutex::new(HashMap::new()),
-            fenced: Mutex::new(HashMap::new()),
-            seen: Mutex::new(HashMap::new()),
+            fenced: FencedAddrs::new(limits.max_peers),
             reg_lock: Mutex::new(()),
             fences: RegionFences::default(),
             notify: Arc::new(NotifyQueue::default()),
