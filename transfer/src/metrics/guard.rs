@@ -1,5 +1,5 @@
 //! The series of the engine's bounds (handshakes, lanes, budgets, threads, fences; see
-//! `Limits`): their snapshot inputs and exposition.
+//! `Limits`) in the exposition; their inputs are `snapshot::GuardExtra`.
 
 use super::snapshot::MetricsSnapshot;
 
@@ -106,24 +106,4 @@ impl MetricsSnapshot {
             ),
         ]
     }
-}
-
-/// Engine-side values of the bounds' series (see [`MetricsSnapshot`]).
-#[derive(Clone, Copy, Debug, Default)]
-pub(crate) struct GuardExtra {
-    pub notifications_refused: u64,
-    pub handshakes_in_progress: u64,
-    pub handshakes_admitted: u64,
-    pub handshakes_evicted: u64,
-    pub handshakes_refused: u64,
-    pub handshakes_timed_out: u64,
-    pub lanes_open: u64,
-    pub notify_bytes: u64,
-    pub remote_region_entries: u64,
-    pub removed_region_entries: u64,
-    pub ctrl_queue_bytes: u64,
-    pub threads_live: u64,
-    pub metrics_conns_live: u64,
-    pub metrics_conns_evicted: u64,
-    pub fenced_peers: u64,
 }

@@ -12,11 +12,13 @@
 //!
 //! Modules:
 //! * `counters`: the atomics and their labels (transports, error kinds, buckets, size classes);
-//! * `snapshot`: [`MetricsSnapshot`] and the Prometheus text exposition;
+//! * `snapshot`: [`MetricsSnapshot`] and how the counters become one;
 //! * `guard`: the series of the engine's bounds (`Limits`);
+//! * `exposition`: the Prometheus text of a snapshot;
 //! * `http`: the `GET /metrics` endpoint (bounded connections, each on its own thread).
 
 mod counters;
+mod exposition;
 mod guard;
 mod http;
 mod snapshot;
@@ -26,11 +28,10 @@ pub use counters::{
     SIZE_CLASSES, SIZE_CLASS_LIMITS,
 };
 pub(crate) use counters::{EngineMetrics, PeerObs, STAGE_CONNECT, STAGE_PEER, STAGE_SUBMIT};
-pub(crate) use guard::GuardExtra;
 pub(crate) use http::{gate_counts, Render, Server};
 #[doc(hidden)]
 pub use http::{parse_request, Request};
-pub(crate) use snapshot::{peer_snapshot, PeerHolds, SnapshotExtra};
+pub(crate) use snapshot::{peer_snapshot, GuardExtra, PeerHolds, SnapshotExtra};
 pub use snapshot::{
     ErrorCount, HistogramSnapshot, MetricsSnapshot, PeerSnapshot, TransportSnapshot,
 };
