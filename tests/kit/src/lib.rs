@@ -8,12 +8,14 @@
 //! * [`pool`]: the host block pool of the simulator and the step loops.
 //! * [`queue`]: a time-ordered event queue for discrete-event step loops.
 //! * [`rng`]: a small seeded PRNG and the splitmix64 mixer.
+//! * [`layering`]: the circles of files of a crate that import each other.
 //! * [`pattern`]: the seeded, seekable byte pattern the transfer tests and benches write and
 //!   check.
 
 #![deny(missing_docs)]
 #![forbid(unsafe_code)]
 
+pub mod layering;
 pub mod pattern;
 pub mod pool;
 pub mod queue;

@@ -1,0 +1,285 @@
+//! Which files of a crate import each other in a circle ([`file_cycles`]).
+//!
+//! A crate's modules are layered when a file's imports point only to files below it: then a
+//! reader can take the files in order, and a change to one never reaches the files it imports.
+//! The check reads the sources as text: every path of code (comments and `#[cfg(test)] mod
+//! tests` blocks left out) that starts with `crate::`, `super::` or `self::` is an import of the
+//! deepest module file that path names. Method calls on types defined in another file are not
+//! seen; paths are.
+
+use std::collections::{BTreeMap, BTreeSet};
+use std::fs;
+use std::path::{Path, PathBuf};
+
+/// A module path (`["engine", "core"]` for `engine/core.rs`; empty for `lib.rs`).
+type Module = Vec<String>;
+
+/// The circles of files that import each other among the `.rs` files below `src` (a crate's
+/// source folder), each as its files' paths relative to `src`, sorted. Empty when the files
+/// are layered.
+pub fn file_cycles(src: &Path) -> std::io::Result<Vec<Vec<String>>> {
+    let mut files = BTreeMap::new();
+    collect(src, src, &mut files)?;
+    let mut graph: BTreeMap<Module, BTreeSet<Module>> = BTreeMap::new();
+    for (m, path) in &files {
+        let text = code_of(&fs::read_to_string(path)?);
+        let deps = graph.entry(m.clone()).or_default();
+        for p in paths_in(&text) {
+            let Some(target) = resolve(m, &p, &files) else {
+                continue;
+            };
+            if &target != m {
+                deps.insert(target);
+            }
+        }
+    }
+    let name = |m: &Module| {
+        let path = &files[m];
+        path.strip_prefix(src).unwrap_or(path).display().to_string()
+    };
+    Ok(strong_components(&graph)
+        .into_iter()
+        .filter(|c| c.len() > 1)
+        .map(|c| {
+            let mut v: Vec<String> = c.iter().map(name).collect();
+            v.sort();
+            v
+        })
+        .collect())
+}
+
+/// Every `.rs` file below `dir`, by module path (a folder's `mod.rs` is the folder's module).
+fn collect(root: &Path, dir: &Path, out: &mut BTreeMap<Module, PathBuf>) -> std::io::Result<()> {
+    for entry in fs::read_dir(dir)? {
+        let path = entry?.path();
+        if path.is_dir() {
+            collect(root, &path, out)?;
+            continue;
+        }
+        if path.extension().is_none_or(|e| e != "rs") {
+            continue;
+        }
+        let rel = path.strip_prefix(root).unwrap_or(&path).with_extension("");
+        let mut m: Module = rel
+            .components()
+            .map(|c| c.as_os_str().to_string_lossy().into_owned())
+            .collect();
+        if matches!(m.last().map(String::as_str), Some("mod" | "lib" | "main")) {
+            m.pop();
+        }
+        out.insert(m, path);
+    }
+    Ok(())
+}
+
+/// The code of a file: without its `#[cfg(test)] mod tests` block (to the end of the file, where
+/// this crate keeps it) and without comments.
+fn code_of(text: &str) -> String {
+    let mut end = text.len();
+    let mut from = 0;
+    while let Some(i) = text[from..].find("#[cfg(test)]") {
+        let at = from + i;
+        let rest = text[at + "#[cfg(test)]".len()..].trim_start();
+        if rest.starts_with("mod tests") {
+            end = at;
+            break;
+        }
+        from = at + 1;
+    }
+    text[..end]
+        .lines()
+        .map(|l| l.find("//").map_or(l, |i| &l[..i]))
+        .collect::<Vec<_>>()
+        .join("\n")
+}
+
+/// The paths that start with `crate`, `super` or `self` in `code`, as their segments.
+fn paths_in(code: &str) -> Vec<Vec<String>> {
+    let ident = |c: char| c.is_ascii_alphanumeric() || c == '_';
+    let mut out = Vec::new();
+    let b = code.as_bytes();
+    for head in ["crate::", "super::", "self::"] {
+        let mut from = 0;
+        while let Some(i) = code[from..].find(head) {
+            let at = from + i;
+            from = at + head.len();
+            if at > 0 && (ident(b[at - 1] as char) || b[at - 1] == b':') {
+                continue;
+            }
+            let tail = &code[at..];
+            let len = tail
+                .find(|c: char| !(ident(c) || c == ':'))
+                .unwrap_or(tail.len());
+            let segs: Vec<String> = tail[..len]
+                .split("::")
+                .filter(|s| !s.is_empty())
+                .map(str::to_owned)
+                .collect();
+            out.push(segs);
+        }
+    }
+    out
+}
+
+/// The deepest module file that `path`, written in module `m`, names (`self` is `m` and
+/// `super` its parent, whether `m` is a file or a folder's `mod.rs`).
+fn resolve(m: &Module, path: &[String], files: &BTreeMap<Module, PathBuf>) -> Option<Module> {
+    let mut full: Module = m.clone();
+    let mut segs = path.iter();
+    match segs.next().map(String::as_str) {
+        Some("crate") => full.clear(),
+        Some("self") => {}
+        Some("super") => {
+            full.pop()?;
+            while segs.as_slice().first().is_some_and(|s| s == "super") {
+                segs.next();
+                full.pop()?;
+            }
+        }
+        _ => return None,
+    }
+    full.extend(segs.cloned());
+    (0..=full.len())
+        .rev()
+        .map(|n| full[..n].to_vec())
+        .find(|p| files.contains_key(p))
+}
+
+/// The strongly connected components of `graph` (Tarjan's algorithm, iterative).
+fn strong_components(graph: &BTreeMap<Module, BTreeSet<Module>>) -> Vec<Vec<Module>> {
+    let nodes: Vec<&Module> = graph.keys().collect();
+    let at: BTreeMap<&Module, usize> = nodes.iter().enumerate().map(|(i, m)| (*m, i)).collect();
+    let succ: Vec<Vec<usize>> = nodes
+        .iter()
+        .map(|m| {
+            graph[*m]
+                .iter()
+                .filter_map(|d| at.get(d).copied())
+                .collect()
+        })
+        .collect();
+    let n = nodes.len();
+    let (mut index, mut low) = (vec![usize::MAX; n], vec![0; n]);
+    let (mut on, mut stack, mut out) = (vec![false; n], Vec::new(), Vec::new());
+    let mut next = 0;
+    for root in 0..n {
+        if index[root] != usize::MAX {
+            continue;
+        }
+        // (node, next successor to visit)
+        let mut walk = vec![(root, 0)];
+        index[root] = next;
+        low[root] = next;
+        next += 1;
+        stack.push(root);
+        on[root] = true;
+        while let Some(&mut (v, ref mut i)) = walk.last_mut() {
+            if let Some(&w) = succ[v].get(*i) {
+                *i += 1;
+                if index[w] == usize::MAX {
+                    index[w] = next;
+                    low[w] = next;
+                    next += 1;
+                    stack.push(w);
+                    on[w] = true;
+                    walk.push((w, 0));
+                } else if on[w] {
+                    low[v] = low[v].min(index[w]);
+                }
+                continue;
+            }
+            walk.pop();
+            if let Some(&(u, _)) = walk.last() {
+                low[u] = low[u].min(low[v]);
+            }
+            if low[v] == index[v] {
+                let mut comp = Vec::new();
+                while let Some(w) = stack.pop() {
+                    on[w] = false;
+                    comp.push(nodes[w].clone());
+                    if w == v {
+                        break;
+                    }
+                }
+                out.push(comp);
+            }
+        }
+    }
+    out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    use std::path::PathBuf;
+    use std::sync::atomic::{AtomicU64, Ordering};
+
+    /// A folder of source files, removed when dropped.
+    struct Crate(PathBuf);
+
+    impl Drop for Crate {
+        fn drop(&mut self) {
+            let _ = fs::remove_dir_all(&self.0);
+        }
+    }
+
+    fn crate_of(files: &[(&str, &str)]) -> Crate {
+        static NEXT: AtomicU64 = AtomicU64::new(0);
+        let dir = std::env::temp_dir().join(format!(
+            "kvwire-layering-{}-{}",
+            std::process::id(),
+            NEXT.fetch_add(1, Ordering::Relaxed)
+        ));
+        for (path, text) in files {
+            let p = dir.join(path);
+            fs::create_dir_all(p.parent().unwrap()).unwrap();
+            fs::write(p, text).unwrap();
+        }
+        Crate(dir)
+    }
+
+    #[test]
+    fn finds_the_circles_and_only_them() {
+        let d = crate_of(&[
+            ("lib.rs", "mod a;\nmod b;\nmod c;\npub use a::A;\n"),
+            ("a/mod.rs", "mod x;\nuse crate::b::B;\npub use self::x::X;\n"),
+            // `super` from a/x.rs is `a`, which uses x: a circle.
+            ("a/x.rs", "use super::A;\n"),
+            ("b.rs", "use self::inner::Y; // use crate::c::C;\n"),
+            (
+                "c.rs",
+                "use crate::a::x::X;\n#[cfg(test)]\nmod tests {\n use crate::c::C; use crate::b::B;\n}\n",
+            ),
+        ]);
+        assert_eq!(
+            file_cycles(&d.0).unwrap(),
+            vec![vec!["a/mod.rs".to_string(), "a/x.rs".to_string()]]
+        );
+        // b -> c only in a comment, c -> b only in its tests: no circle there. A chain (a -> b
+        // -> c -> a/x) is none either; a/x -> b closes one of three.
+        let d = crate_of(&[
+            ("lib.rs", "mod a;\nmod b;\nmod c;\n"),
+            ("a/mod.rs", "mod x;\nuse crate::b::B;\n"),
+            ("a/x.rs", "pub struct X;\n"),
+            ("b.rs", "use crate::c::C;\n"),
+            ("c.rs", "use crate::a::x::X;\n"),
+        ]);
+        assert_eq!(file_cycles(&d.0).unwrap().len(), 0);
+        let d = crate_of(&[
+            ("lib.rs", "mod a;\nmod b;\nmod c;\n"),
+            ("a/mod.rs", "mod x;\n"),
+            ("a/x.rs", "use crate::b::B;\n"),
+            ("b.rs", "use crate::c::C;\n"),
+            ("c.rs", "use super::a::x::X;\n"),
+        ]);
+        assert_eq!(
+            file_cycles(&d.0).unwrap(),
+            vec![vec![
+                "a/x.rs".to_string(),
+                "b.rs".to_string(),
+                "c.rs".to_string()
+            ]]
+        );
+    }
+}
