@@ -752,6 +752,7 @@ impl PyEngine {
             d.set_item("ops", p.ops)?;
             d.set_item("lanes_reestablished", p.lanes_reestablished)?;
             d.set_item("reposts", p.reposts)?;
+            d.set_item("slice_sizes", p.slice_sizes)?;
             peers.push(d);
         }
         out.set_item("peers", peers)?;

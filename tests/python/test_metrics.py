@@ -76,6 +76,7 @@ def test_metrics_exact_after_known_transfers(engine_peer, transport):
     assert pp["id"] == p.id and pp["transport"] == transport
     assert pp["write_bytes"] == sum(sizes) and pp["read_bytes"] == 8192
     assert pp["batches"] == len(sizes) + 1
+    assert pp["slice_sizes"] is None  # adaptive slice sizes are RDMA's
 
     text = m["prometheus_text"]
     assert f'kvwire_transfer_bytes_total{{transport="{transport}",dir="write"}} {sum(sizes)}' in text

@@ -202,7 +202,8 @@ impl Core {
         let mut ps: Vec<metrics::PeerSnapshot> = peers
             .iter()
             .map(|p| {
-                let re = Peer { inner: p.clone() }.lanes_reestablished();
+                let peer = Peer { inner: p.clone() };
+                let re = peer.lanes_reestablished();
                 lanes += re;
                 let rp = peer_reposts(p);
                 reposts += rp;
@@ -230,6 +231,7 @@ impl Core {
                     p.pending.obs.as_ref().map(|o| &*o.peer),
                     (re, rp),
                     holds,
+                    peer.slice_sizes(),
                 )
             })
             .collect();

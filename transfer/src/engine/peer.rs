@@ -397,6 +397,14 @@ impl Peer {
     pub fn device_counters(&self) -> Vec<(String, u64)> {
         self.inner.transport.device_counters()
     }
+    /// The slice sizes this peer's large batches are cut with now, `[write, read]`: RDMA's,
+    /// which adapt between `slice_size` and `EngineConfig::rdma_slice_max`; `None` for other
+    /// transports.
+    pub fn slice_sizes(&self) -> Option<[u64; 2]> {
+        std::iter::once(&self.inner.transport)
+            .chain(self.inner.passive.iter())
+            .find_map(|t| t.slice_sizes())
+    }
     /// How many times a lane of the data path towards this peer was re-established after an
     /// error (RDMA: a queue pair replaced, on either side's request); 0 for other transports.
     pub fn lanes_reestablished(&self) -> u64 {

@@ -302,6 +302,27 @@ impl MetricsSnapshot {
                 );
             }
         }
+        let name = "kvwire_peer_slice_bytes";
+        head(
+            &mut o,
+            name,
+            "gauge",
+            "The slice size a peer's large batches are cut with now, by direction (RDMA, adaptive).",
+        );
+        for p in &self.peers {
+            let Some(sizes) = p.slice_sizes else {
+                continue;
+            };
+            for (dir, v) in ["write", "read"].iter().zip(sizes) {
+                let _ = writeln!(
+                    o,
+                    "{name}{{peer=\"{}\",remote=\"{}\",transport=\"{}\",dir=\"{dir}\"}} {v}",
+                    p.id,
+                    p.remote_addr,
+                    transport_label(p.transport),
+                );
+            }
+        }
         o
     }
 }

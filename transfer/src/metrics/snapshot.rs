@@ -108,6 +108,9 @@ pub struct PeerSnapshot {
     pub lanes_open: u64,
     /// Control bytes queued towards it (`Limits::ctrl_queue_bytes`).
     pub ctrl_queue_bytes: u64,
+    /// The slice sizes its large batches are cut with now, `[write, read]` (RDMA, adaptive;
+    /// `None` for other transports).
+    pub slice_sizes: Option<[u64; 2]>,
 }
 
 /// What a peer holds of the engine (for [`PeerSnapshot`]).
@@ -372,6 +375,7 @@ pub(crate) fn peer_snapshot(
     c: Option<&PeerCounters>,
     (lanes_reestablished, reposts): (u64, u64),
     holds: PeerHolds,
+    slice_sizes: Option<[u64; 2]>,
 ) -> PeerSnapshot {
     let mut t = Totals::default();
     if let Some(c) = c {
@@ -395,5 +399,6 @@ pub(crate) fn peer_snapshot(
         removed_region_entries: holds.removed_region_entries,
         lanes_open: holds.lanes_open,
         ctrl_queue_bytes: holds.ctrl_queue_bytes,
+        slice_sizes,
     }
 }

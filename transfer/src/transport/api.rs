@@ -45,6 +45,11 @@ pub(crate) trait PeerTransport: Send + Sync {
     fn device_counters(&self) -> Vec<(String, u64)> {
         Vec::new()
     }
+    /// The slice sizes this peer's large batches are cut with now, `[write, read]` (RDMA,
+    /// whose sizes adapt: `EngineConfig::rdma_slice_max`); `None` for other transports.
+    fn slice_sizes(&self) -> Option<[u64; 2]> {
+        None
+    }
     /// Work requests re-posted on another lane after a lane failed (RDMA).
     fn reposts(&self) -> u64 {
         0

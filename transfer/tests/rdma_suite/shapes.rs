@@ -425,20 +425,34 @@ pub fn adaptive_slices(dev_t: &[&str], dev_i: &[&str]) {
     let len = 2usize << 20;
     let allowed: Vec<usize> = (0..5).map(|k| len / (4096 << k)).collect();
     let (mut writes, mut reads) = (Vec::new(), Vec::new());
+    // The peer reports the slice its next large batch is cut with (the sizer has seen every
+    // completed batch before its waiter returns).
+    let reported = |dir: usize| {
+        p.peer
+            .slice_sizes()
+            .expect("an rdma peer reports its slices")[dir]
+    };
     for round in 0..40u64 {
         let off = round as usize % 4 * len;
         let data = pattern(7000 + round, len);
+        let before = reported(0);
         let st = write_verified(&p, off, &data, &format!("adaptive write {round}"));
         assert!(
             allowed.contains(&st.slices),
             "write {round}: {} WRs",
             st.slices
         );
+        assert_eq!(
+            len / st.slices,
+            before as usize,
+            "write {round}: the reported slice"
+        );
         writes.push(len / st.slices);
         // Read it back into another window of the initiator's region.
         p.init
             .local_write(p.src, (off + 4 * len) as u64, &vec![0u8; len])
             .expect("clear");
+        let before = reported(1);
         let rop = Op {
             local: p.src,
             local_offset: (off + 4 * len) as u64,
@@ -462,8 +476,31 @@ pub fn adaptive_slices(dev_t: &[&str], dev_i: &[&str]) {
             "read {round}: {} WRs",
             st.slices
         );
+        assert_eq!(
+            len / st.slices,
+            before as usize,
+            "read {round}: the reported slice"
+        );
         reads.push(len / st.slices);
     }
+    // The same sizes in the metrics and their Prometheus text.
+    let m = p.init.metrics();
+    let snap = m
+        .peers
+        .iter()
+        .find(|x| x.id == p.peer.id().0)
+        .expect("the peer in the metrics");
+    assert_eq!(snap.slice_sizes, Some([reported(0), reported(1)]));
+    let line = format!(
+        "kvwire_peer_slice_bytes{{peer=\"{}\",remote=\"{}\",transport=\"rdma\",dir=\"write\"}} {}",
+        snap.id,
+        snap.remote_addr,
+        reported(0)
+    );
+    assert!(
+        m.to_prometheus_text().lines().any(|l| l == line),
+        "{line} in the exposition"
+    );
     // A batch under one grown slice per lane still goes out on every lane (4), one configured
     // slice each: 16 KiB is four 4 KiB slices, whatever size the large batches grew to.
     let small = 16usize << 10;

@@ -285,6 +285,10 @@ impl PeerTransport for RdmaPeer {
         self.sh.on_msg(data)
     }
 
+    fn slice_sizes(&self) -> Option<[u64; 2]> {
+        Some(self.sh.slice_sizes())
+    }
+
     fn reposts(&self) -> u64 {
         self.sh.reposts.load(Ordering::Relaxed)
     }

@@ -98,8 +98,7 @@ impl SliceSizer {
     }
 
     /// The current slice size (a large batch's).
-    #[cfg(test)]
-    fn slice(&self) -> u64 {
+    pub(super) fn slice(&self) -> u64 {
         self.cur
     }
 

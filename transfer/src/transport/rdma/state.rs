@@ -179,6 +179,11 @@ impl PeerShared {
         self.sizer(dir).lock().slice_for(bytes)
     }
 
+    /// The slice sizes of large batches now, `[write, read]`.
+    pub(super) fn slice_sizes(&self) -> [u64; 2] {
+        [Dir::Write, Dir::Read].map(|d| self.sizer(d).lock().slice())
+    }
+
     /// Tells the slice sizer how a batch whose WRs all completed went.
     pub(super) fn sampled(&self, s: &Sample) {
         let ns = u64::try_from(s.posted.elapsed().as_nanos()).unwrap_or(u64::MAX);
