@@ -93,6 +93,8 @@ pub fn calibrate(
         return Err(CalibrateError::TooFew {
             train: train.len(),
             held_out: held.len(),
+            need_train: MIN_TRAIN,
+            need_held_out: MIN_HELD_OUT,
         });
     }
     let design = Design::new(&train);

@@ -2,8 +2,6 @@
 
 use crate::costmodel::CostModelError;
 
-use super::split::{MIN_HELD_OUT, MIN_TRAIN};
-
 /// What to do with a malformed line.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum BadLines {
@@ -63,12 +61,16 @@ pub enum CalibrateError {
     #[error("records of several transports ({0}); pick one with --transport")]
     MixedTransports(String),
     /// Too few usable records on one side of the split.
-    #[error("too few usable records: {train} for training (need {MIN_TRAIN}), {held_out} held out (need {MIN_HELD_OUT})")]
+    #[error("too few usable records: {train} for training (need {need_train}), {held_out} held out (need {need_held_out})")]
     TooFew {
         /// Training records.
         train: usize,
         /// Held-out records.
         held_out: usize,
+        /// Training records needed (`MIN_TRAIN`).
+        need_train: usize,
+        /// Held-out records needed (`MIN_HELD_OUT`).
+        need_held_out: usize,
     },
     /// The fitted model failed validation (should not happen; reported rather than written).
     #[error(transparent)]

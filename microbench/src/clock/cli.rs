@@ -9,8 +9,11 @@ use kvwire_transfer::TransportKind;
 use kvwire_connector::{Policy, SendMode};
 
 use super::config::{STUDY_PD_RATE, STUDY_RATE};
-use super::workload::{fixed_prompts, merge, read_trace, AgenticMix, SessionMix};
-use super::{plot, report, run_matrix, ClockConfig, ClockError, ClockReport, LinkSpeed, Scenario};
+use super::trace::read_trace;
+use super::workload::{fixed_prompts, merge, AgenticMix, SessionMix};
+use super::{
+    plot, report, run_matrix, table, ClockConfig, ClockError, ClockReport, LinkSpeed, Scenario,
+};
 
 /// Transport of the data path.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
@@ -355,7 +358,7 @@ pub fn run(a: &ClockArgs) -> Result<ClockReport, ClockError> {
 pub fn cli_main(a: &ClockArgs) -> ExitCode {
     match run(a) {
         Ok(r) => {
-            print!("{}", report::table(&r));
+            print!("{}", table::table(&r));
             if r.all_verified() {
                 ExitCode::SUCCESS
             } else {

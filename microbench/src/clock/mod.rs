@@ -90,7 +90,7 @@
 //! writes per request, bytes verified; and D as an engine: TTFT and TPOT of every request D
 //! serves (local and P/D), preemptions, its prefix-cache hit rate next to plain vLLM's (D
 //! serving its local requests alone, run once per matrix), `land`'s fallbacks, wire bytes
-//! against the whole contexts'. As a table ([`report::table`]), JSON ([`report::to_json`]), a
+//! against the whole contexts'. As a table ([`table::table`]), JSON ([`report::to_json`]), a
 //! PNG ([`plot::render_png`]) and timeline JSON lines for the calibrator
 //! ([`report::timeline_lines`]).
 //!
@@ -189,7 +189,7 @@ pub enum ClockError {
     Stuck(String),
     /// A trace file could not be used.
     #[error(transparent)]
-    Trace(#[from] workload::TraceError),
+    Trace(#[from] trace::TraceError),
     /// Writing an output file.
     #[error("writing {path}: {source}")]
     Output {

@@ -18,8 +18,6 @@ pub const SEED_BYTES_PER_S: f64 = 2.7e9;
 /// Names of the decomposition segments, in order (the connector's).
 pub use kvwire_connector::SEGMENT_NAMES as SEGMENTS;
 
-pub use super::table::table;
-
 /// Quantiles in milliseconds.
 #[derive(Clone, Copy, Debug, Default, Serialize)]
 pub struct Quantiles {

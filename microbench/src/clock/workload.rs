@@ -5,8 +5,6 @@
 use kvwire_connector::{Nanos, SEC};
 use kvwire_testkit::rng::Rng;
 
-pub use super::trace::{parse_trace, read_trace, TraceError, MAX_TRACE_TOKENS};
-
 /// One request of a run, the same for every cell of the matrix.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct RequestSpec {

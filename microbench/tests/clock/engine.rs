@@ -346,7 +346,7 @@ fn local_requests_are_served_next_to_the_pd_ones() {
         assert!(s.served.ttft_ms.p50 > 0.0 && s.served.tpot_ms.p50 > 0.0);
         assert!(s.apc_local.is_some() && s.apc_pd.is_some() && r.apc_delta_pp(s).is_some());
     }
-    let t = kvwire_bench::clock::report::table(&r);
+    let t = kvwire_bench::clock::table::table(&r);
     assert!(t.contains("plain vLLM") && t.contains("TTFT50"), "{t}");
 }
 

@@ -14,7 +14,7 @@ use kvwire_bench::clock::datapath::DataPath;
 use kvwire_bench::clock::report::parse_timeline_line;
 use kvwire_bench::clock::report::PoolSide;
 use kvwire_bench::clock::sim::run_cell;
-use kvwire_bench::clock::workload::{parse_trace, TraceError};
+use kvwire_bench::clock::trace::{parse_trace, TraceError};
 use kvwire_bench::clock::{
     run_matrix, ClockArgs, ClockConfig, ClockReport, HeldBlocks, LinkSpeed, RequestSpec, Scenario,
 };
