@@ -1,14 +1,10 @@
-//! The device list, device contexts, and their port and GID queries.
+//! The device list, and the port and GID queries of a device context.
 
 use std::os::raw::{c_char, c_int};
 use std::sync::LazyLock;
 
 use kvwire_verbs::sys;
 
-use crate::cq::{poll_cq, req_notify_cq};
-use crate::qp::post_recv;
-use crate::send::post_send;
-use crate::state::set_errno;
 use crate::{DEVICES_ENV, MAX_MR_ENV, MAX_SGE};
 
 /// The listed devices (created once, never freed: `ibv_device`s outlive their lists).
@@ -100,40 +96,6 @@ pub unsafe extern "C" fn ibv_get_device_name(dev: *mut sys::ibv_device) -> *cons
 #[no_mangle]
 pub extern "C" fn ibv_get_device_guid(dev: *mut sys::ibv_device) -> u64 {
     device_index(dev).map_or(0, |i| (0x6b76_7769_7265_0000u64 + i as u64).to_be())
-}
-
-/// # Safety
-/// `dev` is a listed device.
-#[no_mangle]
-pub unsafe extern "C" fn ibv_open_device(dev: *mut sys::ibv_device) -> *mut sys::ibv_context {
-    if device_index(dev).is_none() {
-        set_errno(libc::ENODEV);
-        return std::ptr::null_mut();
-    }
-    let mut ctx = sys::ibv_context {
-        device: dev,
-        cmd_fd: -1,
-        async_fd: -1,
-        num_comp_vectors: 1,
-        ..Default::default()
-    };
-    ctx.ops.post_send = Some(post_send);
-    ctx.ops.post_recv = Some(post_recv);
-    ctx.ops.poll_cq = Some(poll_cq);
-    ctx.ops.req_notify_cq = Some(req_notify_cq);
-    Box::into_raw(Box::new(ctx))
-}
-
-/// # Safety
-/// `ctx` came from [`ibv_open_device`] and is closed once, after its children.
-#[no_mangle]
-pub unsafe extern "C" fn ibv_close_device(ctx: *mut sys::ibv_context) -> c_int {
-    if ctx.is_null() {
-        return libc::EINVAL;
-    }
-    // SAFETY: allocated by `ibv_open_device` as a Box, closed once.
-    drop(unsafe { Box::from_raw(ctx) });
-    0
 }
 
 pub(crate) fn ctx_device(ctx: *mut sys::ibv_context) -> Option<usize> {

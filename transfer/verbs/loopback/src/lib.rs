@@ -26,7 +26,8 @@
 //! moves no byte, for measuring the posting path alone; `kvwire_loopback_hold` holds requests
 //! in flight until a test releases them.
 //!
-//! Modules: `device` (the device list, contexts, port and GID queries), `memory` (protection
+//! Modules: `device` (the device list, port and GID queries), `context` (device contexts and
+//! their operations table), `memory` (protection
 //! domains, memory regions), `cq` (completion channels and queues), `qp` (queue pairs, their
 //! states, receives), `send` (send requests: checked, held or executed, completed; the
 //! hold, copy and counter controls), `state` (the tables every entry point shares).
@@ -34,6 +35,7 @@
 //! Every entry point takes raw pointers from its caller, as libibverbs does: all of this crate
 //! is the verbs boundary, and each `unsafe` block says what the caller guarantees.
 
+mod context;
 mod cq;
 mod device;
 mod memory;
