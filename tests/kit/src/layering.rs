@@ -93,32 +93,69 @@ fn code_of(text: &str) -> String {
         .join("\n")
 }
 
-/// The paths that start with `crate`, `super` or `self` in `code`, as their segments.
+/// The paths that start with `crate`, `super` or `self` in `code`, as their segments; a group
+/// (`super::{a, b::{c, D}}`) gives one path per item.
 fn paths_in(code: &str) -> Vec<Vec<String>> {
-    let ident = |c: char| c.is_ascii_alphanumeric() || c == '_';
-    let mut out = Vec::new();
     let b = code.as_bytes();
+    let mut out = Vec::new();
     for head in ["crate::", "super::", "self::"] {
         let mut from = 0;
         while let Some(i) = code[from..].find(head) {
             let at = from + i;
             from = at + head.len();
-            if at > 0 && (ident(b[at - 1] as char) || b[at - 1] == b':') {
+            if at > 0 && (is_ident(b[at - 1] as char) || b[at - 1] == b':') {
                 continue;
             }
-            let tail = &code[at..];
-            let len = tail
-                .find(|c: char| !(ident(c) || c == ':'))
-                .unwrap_or(tail.len());
-            let segs: Vec<String> = tail[..len]
-                .split("::")
-                .filter(|s| !s.is_empty())
-                .map(str::to_owned)
-                .collect();
-            out.push(segs);
+            expand(Vec::new(), &code[at..], &mut out);
         }
     }
     out
+}
+
+fn is_ident(c: char) -> bool {
+    c.is_ascii_alphanumeric() || c == '_'
+}
+
+/// Adds the path at the start of `text` (after the segments `prefix`) to `out`, one per item
+/// of a group.
+fn expand(prefix: Vec<String>, text: &str, out: &mut Vec<Vec<String>>) {
+    let text = text.trim_start();
+    let len = text
+        .find(|c: char| !(is_ident(c) || c == ':'))
+        .unwrap_or(text.len());
+    let mut segs = prefix;
+    segs.extend(
+        text[..len]
+            .split("::")
+            .filter(|s| !s.is_empty())
+            .map(str::to_owned),
+    );
+    let rest = &text[len..];
+    if !(text[..len].ends_with("::") && rest.starts_with('{')) {
+        out.push(segs);
+        return;
+    }
+    // The group's items: split at its top-level commas, up to its closing brace.
+    let (mut depth, mut start) = (0usize, 1);
+    for (i, c) in rest.char_indices() {
+        match c {
+            '{' => depth += 1,
+            '}' | ',' if depth == 1 => {
+                let item = rest[start..i].trim();
+                if !item.is_empty() && item != "self" {
+                    expand(segs.clone(), item, out);
+                } else if item == "self" {
+                    out.push(segs.clone());
+                }
+                if c == '}' {
+                    return;
+                }
+                start = i + 1;
+            }
+            '}' => depth -= 1,
+            _ => {}
+        }
+    }
 }
 
 /// The deepest module file that `path`, written in module `m`, names (`self` is `m` and
@@ -273,6 +310,18 @@ mod tests {
             ("b.rs", "use crate::c::C;\n"),
             ("c.rs", "use super::a::x::X;\n"),
         ]);
+        let grouped = crate_of(&[
+            ("lib.rs", "mod a;\nmod b;\nmod c;\n"),
+            ("a/mod.rs", "mod x;\n"),
+            ("a/x.rs", "use crate::{b::B, c};\n"),
+            ("b.rs", "pub struct B;\n"),
+            ("c.rs", "use super::{a::{self, x::{X, Y}}, b};\n"),
+        ]);
+        // a/x -> c (an item of a group) -> a/x (an item of a group in a group).
+        assert_eq!(
+            file_cycles(&grouped.0).unwrap(),
+            vec![vec!["a/x.rs".to_string(), "c.rs".to_string()]]
+        );
         assert_eq!(
             file_cycles(&d.0).unwrap(),
             vec![vec![
