@@ -48,10 +48,15 @@ pub fn file_cycles(src: &Path) -> std::io::Result<Vec<Vec<String>>> {
         .collect())
 }
 
-/// Every `.rs` file below `dir`, by module path (a folder's `mod.rs` is the folder's module).
+/// Every `.rs` file of the library below `dir`, by module path (a folder's `mod.rs` is the
+/// folder's module). Binaries (`main.rs`, `bin/`) are crates of their own and left out.
 fn collect(root: &Path, dir: &Path, out: &mut BTreeMap<Module, PathBuf>) -> std::io::Result<()> {
     for entry in fs::read_dir(dir)? {
         let path = entry?.path();
+        let rel = path.strip_prefix(root).unwrap_or(&path);
+        if rel == Path::new("main.rs") || rel == Path::new("bin") {
+            continue;
+        }
         if path.is_dir() {
             collect(root, &path, out)?;
             continue;
@@ -59,12 +64,12 @@ fn collect(root: &Path, dir: &Path, out: &mut BTreeMap<Module, PathBuf>) -> std:
         if path.extension().is_none_or(|e| e != "rs") {
             continue;
         }
-        let rel = path.strip_prefix(root).unwrap_or(&path).with_extension("");
         let mut m: Module = rel
+            .with_extension("")
             .components()
             .map(|c| c.as_os_str().to_string_lossy().into_owned())
             .collect();
-        if matches!(m.last().map(String::as_str), Some("mod" | "lib" | "main")) {
+        if matches!(m.last().map(String::as_str), Some("mod" | "lib")) {
             m.pop();
         }
         out.insert(m, path);
@@ -310,6 +315,18 @@ mod tests {
             ("b.rs", "use crate::c::C;\n"),
             ("c.rs", "use super::a::x::X;\n"),
         ]);
+        // A binary's `crate` is itself: main.rs and bin/ are not files of the library.
+        let bin = crate_of(&[
+            ("lib.rs", "mod b;\npub struct R;\n"),
+            ("main.rs", "mod b;\nuse crate::b::B;\n"),
+            ("bin/tool.rs", "use kvwire::R;\n"),
+            ("b.rs", "use crate::R;\n"),
+        ]);
+        let mut files = BTreeMap::new();
+        collect(&bin.0, &bin.0, &mut files).unwrap();
+        let modules: Vec<&Module> = files.keys().collect();
+        assert_eq!(modules, [&Vec::<String>::new(), &vec!["b".to_string()]]);
+        assert_eq!(file_cycles(&bin.0).unwrap().len(), 0);
         let grouped = crate_of(&[
             ("lib.rs", "mod a;\nmod b;\nmod c;\n"),
             ("a/mod.rs", "mod x;\n"),
