@@ -46,7 +46,8 @@ pub(crate) struct Core {
     pub(super) peers: Mutex<HashMap<PeerId, Arc<PeerInner>>>,
     /// Session ids of the lanes peers open into us (see `auth`), while their peer lives.
     pub(super) sessions: Mutex<HashMap<[u8; 16], Weak<PeerInner>>>,
-    /// Fenced peer engines (by listen address), with their processes and session ids.
+    /// Fenced peer engines (by listen address, with their processes and session ids) and the
+    /// process last seen at each peer address.
     pub(super) fenced: FencedAddrs,
     /// Held while (region table change + broadcast) and while (peer insert + region snapshot),
     /// so every peer sees every region change exactly in order.

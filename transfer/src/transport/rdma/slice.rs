@@ -36,7 +36,7 @@
 pub(super) const WINDOW: u32 = 8;
 /// The batches' time per measured window, at least (ns): shorter windows measure noise.
 pub(super) const WINDOW_NS: u64 = 50_000_000;
-/// A doubling of the slice is kept when it raised the rate by at least this fraction.
+/// A doubling (or halving) of the slice is kept when it raised the rate by at least this fraction.
 pub(super) const GAIN: f64 = 0.10;
 /// Windows at a settled size before the next probe.
 pub(super) const REPROBE_WINDOWS: u32 = 64;
