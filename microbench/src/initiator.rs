@@ -622,6 +622,7 @@ impl Bench<'_> {
                 kv: None,
                 timed_notifications: 0,
                 cpu_s_per_gb: self.cpu_since(mark, ops * size),
+                slice_sizes: self.peer.slice_sizes(),
             },
             expected,
         ))
@@ -688,6 +689,7 @@ impl Bench<'_> {
             kv: None,
             timed_notifications: 0,
             cpu_s_per_gb: self.cpu_since(mark, ops * size),
+            slice_sizes: self.peer.slice_sizes(),
         })
     }
 
@@ -749,6 +751,7 @@ impl Bench<'_> {
             kv: None,
             timed_notifications: 0,
             cpu_s_per_gb: self.cpu_since(mark, batches * n * size),
+            slice_sizes: self.peer.slice_sizes(),
         })
     }
 
@@ -889,6 +892,7 @@ impl Bench<'_> {
             // one per layer of every timed round, inside the timed section
             timed_notifications: lat.len() as u64,
             cpu_s_per_gb: cpu,
+            slice_sizes: self.peer.slice_sizes(),
             kv: Some(KvShape {
                 layers,
                 blocks: blocks as usize,

@@ -53,6 +53,10 @@ pub struct Row {
     pub timed_notifications: u64,
     /// CPU seconds per GB moved by this row's timed operations (see [`CpuPerGb`]).
     pub cpu_s_per_gb: CpuPerGb,
+    /// RDMA: the slice sizes `[write, read]` the peer's large batches were cut with at the end
+    /// of this row (they adapt between `slice_size` and `rdma_slice_max`); absent otherwise.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub slice_sizes: Option<[u64; 2]>,
 }
 
 /// CPU seconds (all threads) per GB (1e9 bytes) a row's timed operations moved, each side;
@@ -250,6 +254,32 @@ impl Report {
             s,
             "cpu_*: CPU seconds per GB moved, initiator+target (all threads; the initiator's in its timed sections, the target's less its verifier's)"
         );
+        let slices: Vec<String> = self
+            .results
+            .iter()
+            .filter_map(|r| {
+                let [w, rd] = r.slice_sizes?;
+                let what = match r.pattern {
+                    Pattern::Serial => "serial",
+                    Pattern::Batch => "batch",
+                    Pattern::KvLayer => "kv",
+                    Pattern::Read => "read",
+                };
+                Some(format!(
+                    "{what} {} {}/{}",
+                    fmt_size(r.size),
+                    fmt_size(w),
+                    fmt_size(rd)
+                ))
+            })
+            .collect();
+        if !slices.is_empty() {
+            let _ = writeln!(
+                s,
+                "rdma slice sizes (write/read) after each row: {}",
+                slices.join(", ")
+            );
+        }
         let c = &self.check;
         let _ = writeln!(
             s,
@@ -304,6 +334,7 @@ mod tests {
                 initiator: Some(0.5),
                 target: None,
             },
+            slice_sizes: None,
         }
     }
 
@@ -349,5 +380,33 @@ mod tests {
         assert_eq!(rows[0]["cpu_s_per_gb"]["initiator"], 0.5);
         assert!(rows[0]["cpu_s_per_gb"]["target"].is_null());
         assert!(t.contains("0.50+-") && t.contains("cpu_serial"));
+        assert!(rows.iter().all(|r| r.get("slice_sizes").is_none()));
+        assert!(!t.contains("rdma slice sizes"));
+    }
+
+    #[test]
+    fn rdma_rows_carry_their_slice_sizes() {
+        let mut serial = row(Pattern::Serial, 65536);
+        serial.slice_sizes = Some([1 << 20, 65536]);
+        let mut kv = row(Pattern::KvLayer, 262_144);
+        kv.slice_sizes = Some([2 << 20, 65536]);
+        let r = Report {
+            engine: "kvwire",
+            transport: "rdma".into(),
+            host: "h".into(),
+            target: "127.0.0.1:1".into(),
+            verified: true,
+            results: vec![serial, kv],
+            check: TargetSummary::default(),
+            plan: Plan::quick(),
+        };
+        let v: serde_json::Value = serde_json::to_value(&r).unwrap();
+        assert_eq!(
+            v["results"][0]["slice_sizes"],
+            serde_json::json!([1 << 20, 65536])
+        );
+        assert!(r.table().contains(
+            "rdma slice sizes (write/read) after each row: serial 64KiB 1MiB/64KiB, kv 256KiB 2MiB/64KiB"
+        ));
     }
 }
