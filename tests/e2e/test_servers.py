@@ -7,7 +7,9 @@ Four servers for the module: ``single`` (no connector: the reference instance), 
 CUDA cache takes: ``staging: always``, P writes into its bounded landing pool and its workers copy
 each layer into the KV blocks as it lands), all with the stand-in worker of :mod:`kvwire.testing`,
 whose next token is read from the KV in the cache: D's output equals the single instance's only
-if every byte D received is right. Async scheduling follows ``KVWIRE_E2E_ASYNC`` (1: on, vLLM's
+if every byte D received is right. ``single``, P and D run vLLM's in-process executor, as vLLM
+runs one GPU; DS runs its multiprocess one (the worker, and the connector's worker side, in a
+process of its own, as at tensor parallelism > 1). Async scheduling follows ``KVWIRE_E2E_ASYNC`` (1: on, vLLM's
 default; 0: off); ``tests/e2e/run.sh`` runs both on both vLLM versions.
 
 Every wait below is bounded so that a hang fails the test; none is an assertion about speed.
@@ -28,6 +30,7 @@ import threading
 
 import pytest
 
+from kvwire.ab.engine import group_pids
 from kvwire.testing.control import Control
 from kvwire.testing.model import write_model_dir
 from kvwire.testing.servers import Server, ServerError, free_port, reference
@@ -77,7 +80,7 @@ class Cluster:
         self.ds = Server("ds", py, free_port(), self.model,
                          kv_transfer_config=kt("kv_consumer", self.ds_control, staging="always", land_pool_blocks=128,
                                                bootstrap_port=0),
-                         env=self.ds_ctl.env(), **common)
+                         env=self.ds_ctl.env(), args=["--distributed-executor-backend", "mp"], **common)
         self.servers = [self.single, self.p, self.d, self.ds]
         self._ref: dict[tuple, list] = {}
 
@@ -150,8 +153,27 @@ def cluster():
         c.stop()
 
 
+def worker_processes(server):
+    """How many of the server's processes are vLLM model-worker processes (named by vLLM)."""
+    names = []
+    for pid in group_pids(server.proc.pid):
+        try:
+            with open(f"/proc/{pid}/comm") as f:
+                names.append(f.read().strip())
+        except OSError:
+            pass
+    return names.count("VLLM::Worker")
+
+
 def prompt_of(n, seed):
     return [20 + (j * 7 + seed * 13) % 900 for j in range(n)]
+
+
+def test_each_server_runs_the_executor_asked_for(cluster):
+    # vLLM's CPU platform would move every worker into a process of its own (0.33), which then
+    # spins between steps; the stand-in platform keeps the in-process executor a one-GPU server
+    # runs, unless the server asked for the multiprocess one (DS).
+    assert [worker_processes(s) for s in (cluster.single, cluster.p, cluster.d, cluster.ds)] == [0, 0, 0, 1]
 
 
 def test_single_instance_is_the_model(cluster):
