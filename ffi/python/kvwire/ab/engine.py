@@ -14,7 +14,9 @@ step times, for the serving-level tax (``kvwire-bench tax --servers``).
 from __future__ import annotations
 
 import json
+import math
 import os
+import time
 
 from kvwire.replay.report import quantile
 
@@ -91,6 +93,29 @@ def cpu_by_thread(before: dict, after: dict) -> dict:
     return {"total_s": round(sum(procs.values()), 3),
             "by_process": {k: round(v, 3) for k, v in sorted(procs.items(), key=lambda kv: -kv[1])},
             "by_thread": rows, "threads": len(after)}
+
+
+def settle(pgids, window_s: float = 0.5, quiet_cpu_s: float = 0.02, timeout_s: float = 30.0,
+           sleep=time.sleep) -> dict:
+    """Waits until the process groups ``pgids`` together used less than ``quiet_cpu_s`` CPU
+    seconds in one ``window_s`` window, for at most ``timeout_s``: a server that answers
+    ``/health`` may still run start-up helpers (vLLM 0.33 compiles kernels in child processes for
+    a few seconds after it is ready), whose CPU would otherwise be counted in the first arm.
+    Returns ``{"settled": bool, "windows": n, "busy_cpu_s": CPU seen before the quiet window,
+    "seconds": wall time waited}``."""
+    t0 = time.monotonic()
+    busy = 0.0
+    windows = max(1, math.ceil(timeout_s / window_s))
+    for n in range(1, windows + 1):
+        before = {g: snapshot(g) for g in pgids}
+        sleep(window_s)
+        used = sum(cpu_by_thread(before[g], snapshot(g))["total_s"] for g in pgids)
+        if used < quiet_cpu_s:
+            return {"settled": True, "windows": n, "busy_cpu_s": round(busy, 3),
+                    "seconds": round(time.monotonic() - t0, 2)}
+        busy += used
+    return {"settled": False, "windows": windows, "busy_cpu_s": round(busy, 3),
+            "seconds": round(time.monotonic() - t0, 2)}
 
 
 def read_steps(events_path: str) -> list[dict]:

@@ -10,6 +10,15 @@ def _ms(v) -> str:
     return "-" if v is None else f"{v * 1000:.1f}"
 
 
+def _settled(st) -> str:
+    """How the wait for quiet servers after the warm-up ended (:func:`kvwire.ab.engine.settle`)."""
+    if not st:
+        return ""
+    if st["settled"]:
+        return f", then quiet after {st['seconds']:.1f} s ({st['busy_cpu_s']:.2f} CPU s of start-up work)"
+    return f", **not quiet after {st['seconds']:.1f} s** ({st['busy_cpu_s']:.2f} CPU s: counted in the first arm)"
+
+
 def markdown(ab: dict) -> str:
     lines = [f"# kvwire A/B — {ab['requests']} requests per arm, model {ab['model']}, block {ab['block_size']}, "
              f"{ab['host_cores']} cores{' (quick)' if ab['quick'] else ''}"
@@ -60,7 +69,8 @@ def markdown(ab: dict) -> str:
     if warm:
         lines += ["", "Warm-up before each group's arms (2 requests with other prompts, not in the figures above): "
                   + "; ".join(f"{g} {w['seconds']:.1f} s, first TTFT {_ms((w['ttft_s'] or [None])[0])} ms"
-                              f"{', %d errors' % w['errors'] if w['errors'] else ''}" for g, w in warm.items())]
+                              f"{', %d errors' % w['errors'] if w['errors'] else ''}{_settled(w.get('settle'))}"
+                              for g, w in warm.items())]
         for g, w in warm.items():
             lines += [f"- {g} warm-up error: {e}" for e in w.get("error_samples", ())]
     bad = [r for r in ab["arms"] if r["status"] != "ran"]
