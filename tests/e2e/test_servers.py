@@ -9,8 +9,9 @@ each layer into the KV blocks as it lands), all with the stand-in worker of :mod
 whose next token is read from the KV in the cache: D's output equals the single instance's only
 if every byte D received is right. ``single``, P and D run vLLM's in-process executor, as vLLM
 runs one GPU; DS runs its multiprocess one (the worker, and the connector's worker side, in a
-process of its own, as at tensor parallelism > 1). Async scheduling follows ``KVWIRE_E2E_ASYNC`` (1: on, vLLM's
-default; 0: off); ``tests/e2e/run.sh`` runs both on both vLLM versions.
+process of its own, as at tensor parallelism > 1). Async scheduling follows
+``KVWIRE_E2E_ASYNC`` (1: on, vLLM's default; 0: off); ``tests/e2e/run.sh`` runs both on both
+vLLM versions.
 
 Every wait below is bounded so that a hang fails the test; none is an assertion about speed.
 """

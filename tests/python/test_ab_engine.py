@@ -74,7 +74,7 @@ def test_settle_waits_while_the_group_is_busy_and_returns_once_it_is_quiet():
     import time
 
     # A process group of its own that spins until the test closes its stdin.
-    child = subprocess.Popen([sys.executable, "-c", "import os, select, sys\n"
+    child = subprocess.Popen([sys.executable, "-c", "import select, sys\n"
                               "while not select.select([sys.stdin], [], [], 0)[0]:\n    pass\n"],
                              stdin=subprocess.PIPE, start_new_session=True)
     calls = []
@@ -87,15 +87,16 @@ def test_settle_waits_while_the_group_is_busy_and_returns_once_it_is_quiet():
         time.sleep(s)
 
     try:
-        out = engine.settle([child.pid], window_s=0.3, quiet_cpu_s=0.02, timeout_s=60, sleep=sleep)
+        # A spinning process uses far more than 2 % of a core in a window, however loaded the box.
+        out = engine.settle([child.pid], window_s=0.5, quiet_cpu_s=0.01, timeout_s=60, sleep=sleep)
     finally:
         if child.poll() is None:
             child.kill()
             child.wait()
     assert out["settled"] and out["windows"] == 3
-    assert out["busy_cpu_s"] >= 0.04  # the two busy windows were seen
+    assert out["busy_cpu_s"] >= 0.02  # the two busy windows were seen
 
 
 def test_settle_gives_up_after_its_windows():
     out = engine.settle([os.getpgid(0)], window_s=0.01, quiet_cpu_s=-1.0, timeout_s=0.05, sleep=lambda s: None)
-    assert out == {"settled": False, "windows": 5, "busy_cpu_s": out["busy_cpu_s"], "seconds": out["seconds"]}
+    assert not out["settled"] and out["windows"] == 5
