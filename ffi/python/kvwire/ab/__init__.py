@@ -14,7 +14,9 @@ Starts the servers of each arm, replays the same agentic trace against each
   its prefix caches reset between arms.
 
 Each group of servers first serves two warm-up requests (other prompts; their time is in
-``warmup``, not in the arms' figures: a fresh P/D pair's first requests pay one-off costs).
+``warmup``, not in the arms' figures: a fresh P/D pair's first requests pay one-off costs);
+before and after them it waits until its servers use no CPU (``warmup.settle_before`` and
+``warmup.settle``: start-up work a server still runs once it is ready is nobody's cost).
 Per arm: TTFT/TPOT/E2E p50/p90/p99 (client side), and for P/D arms from the connectors'
 timelines: decode_sent→first_token p50/p90 and its decomposition (wait for P, reservation wait,
 exposed transfer, report delay, promotion delay, first step), the exposed tail after P's last

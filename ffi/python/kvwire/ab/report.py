@@ -10,13 +10,22 @@ def _ms(v) -> str:
     return "-" if v is None else f"{v * 1000:.1f}"
 
 
-def _settled(st) -> str:
-    """How the wait for quiet servers after the warm-up ended (:func:`kvwire.ab.engine.settle`)."""
+def _settled(st, what: str) -> str:
+    """How a wait for quiet servers ended (:func:`kvwire.ab.engine.settle`): ``what`` is what
+    the CPU seen while waiting would otherwise have been counted in."""
     if not st:
         return ""
     if st["settled"]:
-        return f", then quiet after {st['seconds']:.1f} s ({st['busy_cpu_s']:.2f} CPU s of start-up work)"
-    return f", **not quiet after {st['seconds']:.1f} s** ({st['busy_cpu_s']:.2f} CPU s: counted in the first arm)"
+        return f"quiet after {st['seconds']:.1f} s ({st['busy_cpu_s']:.2f} CPU s)"
+    return f"**not quiet after {st['seconds']:.1f} s** ({st['busy_cpu_s']:.2f} CPU s, in {what})"
+
+
+def _warm_up(g: str, w: dict) -> str:
+    before = _settled(w.get("settle_before"), "the warm-up")
+    after = _settled(w.get("settle"), "the first arm")
+    return (g + (f" {before}, then" if before else "")
+            + f" {w['seconds']:.1f} s, first TTFT {_ms((w['ttft_s'] or [None])[0])} ms"
+            + (f", {w['errors']} errors" if w["errors"] else "") + (f", then {after}" if after else ""))
 
 
 def markdown(ab: dict) -> str:
@@ -67,10 +76,9 @@ def markdown(ab: dict) -> str:
         if r.get("warmup"):
             warm.setdefault(r["group"], r["warmup"])
     if warm:
-        lines += ["", "Warm-up before each group's arms (2 requests with other prompts, not in the figures above): "
-                  + "; ".join(f"{g} {w['seconds']:.1f} s, first TTFT {_ms((w['ttft_s'] or [None])[0])} ms"
-                              f"{', %d errors' % w['errors'] if w['errors'] else ''}{_settled(w.get('settle'))}"
-                              for g, w in warm.items())]
+        lines += ["", "Warm-up before each group's arms (2 requests with other prompts, not in the figures above; "
+                  "before and after it, a wait until the servers use no CPU — vLLM 0.33 runs start-up helpers "
+                  "for seconds after it is ready): " + "; ".join(_warm_up(g, w) for g, w in warm.items())]
         for g, w in warm.items():
             lines += [f"- {g} warm-up error: {e}" for e in w.get("error_samples", ())]
     bad = [r for r in ab["arms"] if r["status"] != "ran"]

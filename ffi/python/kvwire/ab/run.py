@@ -113,8 +113,11 @@ class AbRun:
     def warm_up(self, group: str, servers: dict, d: str) -> dict:
         """Two requests (other prompts than the trace's) before the group's arms, untimed in
         them: a fresh server's first requests pay one-off costs (first connections between P
-        and D, first steps); then a wait until the servers use no CPU (:func:`engine.settle`).
-        Their time is reported, not hidden."""
+        and D, first steps). Before and after them, a wait until the servers use no CPU
+        (:func:`engine.settle`): start-up work a server still runs once it answers ``/health``
+        is neither the warm-up's cold cost nor an arm's. Their time is reported, not hidden."""
+        pgids = [s.proc.pid for s in servers.values()]
+        before = _engine.settle(pgids)
         turns = self.turns[:2]
         prompts = [PromptBook(self.opts.vocab, seed=self.opts.seed + 1_000_003).prompt(t) for t in turns]
         t0 = time.monotonic()
@@ -132,9 +135,9 @@ class AbRun:
             self.reset_prefix_cache([servers["main"]])
         out = {"requests": len(res), "errors": sum(1 for r in res if r.error), "seconds": round(time.monotonic() - t0, 2),
                "ttft_s": [r.ttft_s for r in res], "error_samples": [str(r.error)[:300] for r in res if r.error][:2]}
-        # Then until the servers are quiet: start-up work still running is not an arm's cost.
-        out["settle"] = _engine.settle([s.proc.pid for s in servers.values()])
-        log(f"group {group}: warm-up {out['seconds']} s, {out['errors']} errors; settled: {out['settle']}"
+        out["settle_before"], out["settle"] = before, _engine.settle(pgids)
+        log(f"group {group}: warm-up {out['seconds']} s, {out['errors']} errors; "
+            f"settled before: {before}, after: {out['settle']}"
             + "".join(f"\n  {e}" for e in out["error_samples"]))
         return out
 
