@@ -8,12 +8,10 @@ mod common;
 
 use std::io::{Read, Write};
 use std::net::TcpStream;
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
-use std::sync::Arc;
 
 use common::hostile::{
     config, connect_from, count_warnings, fd_bound, fd_count, good_transfer, limits, serial,
-    task_count, thread_bound, wait_until, warnings, SECRET,
+    task_count, thread_bound, wait_until, warnings, Peak, SECRET,
 };
 use common::raw_peer;
 use kvwire_transfer::auth::KeyShare;
@@ -56,41 +54,6 @@ fn answered(s: &mut TcpStream) -> Option<Option<Error>> {
     ready.then(|| refusal(s))
 }
 
-/// The largest value of `handshakes_in_progress` seen by a sampler until stopped.
-struct Sampler {
-    stop: Arc<AtomicBool>,
-    max: Arc<AtomicU64>,
-    t: Option<std::thread::JoinHandle<()>>,
-}
-
-impl Sampler {
-    fn start(t: &Engine) -> Sampler {
-        let (stop, max) = (
-            Arc::new(AtomicBool::new(false)),
-            Arc::new(AtomicU64::new(0)),
-        );
-        let (s2, m2, e) = (stop.clone(), max.clone(), t.clone());
-        let t = std::thread::spawn(move || {
-            while !s2.load(Ordering::Relaxed) {
-                m2.fetch_max(e.metrics().handshakes_in_progress, Ordering::Relaxed);
-                std::thread::sleep(std::time::Duration::from_millis(1));
-            }
-        });
-        Sampler {
-            stop,
-            max,
-            t: Some(t),
-        }
-    }
-    fn finish(mut self) -> u64 {
-        self.stop.store(true, Ordering::Relaxed);
-        if let Some(t) = self.t.take() {
-            t.join().expect("sampler");
-        }
-        self.max.load(Ordering::Relaxed)
-    }
-}
-
 fn slowloris(secret: Option<&[u8]>) {
     let _g = serial();
     count_warnings();
@@ -98,7 +61,7 @@ fn slowloris(secret: Option<&[u8]>) {
     let cfg = config(secret, limits());
     let t = Engine::new(cfg.clone()).expect("target");
     let r = t.alloc_region(1 << 20, Access::ReadWrite).expect("alloc");
-    let sampler = Sampler::start(&t);
+    let sampler = Peak::start(&t, |t| t.metrics().handshakes_in_progress);
     let hello = raw_peer::hello(1, secret.is_some(), &KeyShare::random()).encode();
 
     // A: every slot held by a socket that sent one byte of its Hello, each from its own address.

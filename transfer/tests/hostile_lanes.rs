@@ -7,17 +7,16 @@ mod common;
 
 use std::io::{Read, Write};
 use std::net::{SocketAddr, TcpListener, TcpStream};
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 
 use common::hostile::{
     config, connect_from, fd_bound, fd_count, good_transfer, limits, serial, task_count,
-    thread_bound, wait_until, SECRET,
+    thread_bound, wait_until, write_checked, Peak, SECRET,
 };
+use common::mismatch;
 use common::raw_peer::{self, write_header};
-use common::{mismatch, pattern};
 use kvwire_transfer::wire::{self, CtrlMsg};
-use kvwire_transfer::{Access, Engine, Error, Limits, Op, Resource};
+use kvwire_transfer::{Access, Engine, Error, Limits, Resource};
 
 /// Bytes of one relayed connection: client to target, target to client.
 type Recording = (Arc<Mutex<Vec<u8>>>, Arc<Mutex<Vec<u8>>>);
@@ -79,19 +78,8 @@ fn passive_observer_cannot_open_a_lane() {
     // A legitimate initiator, every byte of its connections recorded on the way.
     let i = Engine::new(config(Some(SECRET), limits())).expect("initiator");
     let src = i.alloc_region(4096, Access::Local).expect("alloc");
-    i.local_write(src, 0, &pattern(6, 0, 4096)).expect("fill");
     let p = i.connect(via).expect("connect through the relay");
-    let op = Op {
-        local: src,
-        local_offset: 0,
-        remote: t.region_id(r),
-        remote_offset: 0,
-        len: 4096,
-    };
-    i.write(&p, &[op], None, None)
-        .expect("submit")
-        .wait()
-        .expect("batch");
+    write_checked((&i, &p, src), (&t, r, 0), 6, 4096);
     assert_eq!(t.metrics().lanes_open, 2);
     // The observer's copy of lane 0: LaneJoin, LaneProof one way, LaneChallenge the other.
     let lane = recorded.lock().expect("lock")[1].clone();
@@ -165,19 +153,7 @@ fn lane_churn_releases_fds_and_caps_lanes() {
     let raw =
         raw_peer::handshake(connect_from(2, t.listen_addr()), Some(SECRET), 2).expect("handshake");
     let fds0 = fd_count();
-    let (stop, most) = (
-        Arc::new(AtomicBool::new(false)),
-        Arc::new(AtomicU64::new(0)),
-    );
-    let sampler = {
-        let (stop, most, t) = (stop.clone(), most.clone(), t.clone());
-        std::thread::spawn(move || {
-            while !stop.load(Ordering::Relaxed) {
-                most.fetch_max(t.metrics().lanes_open, Ordering::Relaxed);
-                std::thread::sleep(std::time::Duration::from_millis(1));
-            }
-        })
-    };
+    let sampler = Peak::start(&t, |t| t.metrics().lanes_open);
     let legit = {
         let t = t.clone();
         std::thread::spawn(move || {
@@ -219,12 +195,8 @@ fn lane_churn_releases_fds_and_caps_lanes() {
             "{e}"
         );
     }
-    stop.store(true, Ordering::Relaxed);
-    sampler.join().expect("sampler");
-    assert!(
-        most.load(Ordering::Relaxed) <= 2 + 2,
-        "legit lanes plus the peer's two"
-    );
+    let most = sampler.finish();
+    assert!(most <= 2 + 2, "legit lanes plus the peer's two");
     let m = t.metrics();
     assert_eq!(m.lanes_refused, 4);
     assert!(m.threads_live as usize <= thread_bound(&cfg));
@@ -248,9 +220,6 @@ fn peers_are_capped() {
     let r = t.alloc_region(1 << 20, Access::ReadWrite).expect("alloc");
     let legit = Engine::new(config(Some(SECRET), limits())).expect("engine");
     let src = legit.alloc_region(4096, Access::Local).expect("alloc");
-    legit
-        .local_write(src, 0, &pattern(9, 0, 4096))
-        .expect("fill");
     let p = legit.connect(t.listen_addr()).expect("first peer");
     // Three more hold on; then the target is full.
     let holders: Vec<Engine> = (0..3)
@@ -281,21 +250,7 @@ fn peers_are_capped() {
             ..
         }
     ));
-    let op = Op {
-        local: src,
-        local_offset: 0,
-        remote: t.region_id(r),
-        remote_offset: 0,
-        len: 4096,
-    };
-    legit
-        .write(&p, &[op], None, None)
-        .expect("submit")
-        .wait()
-        .expect("batch");
-    let mut buf = vec![0u8; 4096];
-    t.local_read(r, 0, &mut buf).expect("read");
-    assert_eq!(mismatch(9, 0, &buf), None);
+    write_checked((&legit, &p, src), (&t, r, 0), 9, 4096);
     let m = t.metrics();
     assert_eq!(m.peers_connected, 4);
     assert_eq!(m.peers_refused, 4);

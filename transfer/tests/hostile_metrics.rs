@@ -7,11 +7,10 @@ mod common;
 
 use std::io::{Read, Write};
 use std::net::{SocketAddr, TcpStream};
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
-use std::sync::Arc;
 
 use common::hostile::{
-    config, connect_from, good_transfer, limits, serial, thread_bound, wait_until, HANG, SECRET,
+    config, connect_from, good_transfer, limits, serial, thread_bound, wait_until, Peak, HANG,
+    SECRET,
 };
 use kvwire_transfer::{Access, Engine, EngineConfig};
 use prometheus_parse::{Scrape, Value};
@@ -56,19 +55,7 @@ fn scrape_answers_while_idle_clients_are_connected() {
     let t = Engine::new(cfg.clone()).expect("engine");
     let r = t.alloc_region(1 << 20, Access::ReadWrite).expect("alloc");
     let addr = t.metrics_addr().expect("endpoint");
-    let (stop, most) = (
-        Arc::new(AtomicBool::new(false)),
-        Arc::new(AtomicU64::new(0)),
-    );
-    let sampler = {
-        let (stop, most, t) = (stop.clone(), most.clone(), t.clone());
-        std::thread::spawn(move || {
-            while !stop.load(Ordering::Relaxed) {
-                most.fetch_max(t.metrics().metrics_conns_live, Ordering::Relaxed);
-                std::thread::sleep(std::time::Duration::from_millis(1));
-            }
-        })
-    };
+    let sampler = Peak::start(&t, |t| t.metrics().metrics_conns_live);
     // Ten clients that send nothing and two that trickle an incomplete request, each from its
     // own address; the endpoint serves 4 at once.
     let mut idle: Vec<TcpStream> = (0..12u8)
@@ -106,9 +93,8 @@ fn scrape_answers_while_idle_clients_are_connected() {
         "{live:?}"
     );
     legit.join().expect("legitimate transfer");
-    stop.store(true, Ordering::Relaxed);
-    sampler.join().expect("sampler");
-    assert!(most.load(Ordering::Relaxed) <= 4);
+    let most = sampler.finish();
+    assert!(most <= 4);
     let m = t.metrics();
     assert_eq!(m.metrics_conns_evicted, 9, "the scrape evicted one more");
     assert!(m.threads_live as usize <= thread_bound(&cfg));

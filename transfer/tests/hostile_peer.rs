@@ -8,12 +8,11 @@ mod common;
 
 use std::io::Write;
 use std::net::{Ipv4Addr, SocketAddr, SocketAddrV4, TcpStream};
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
-use std::sync::Arc;
 use std::time::Duration;
 
 use common::hostile::{
-    config, connect_from, fd_count, good_transfer, limits, serial, wait_until, HANG, SECRET,
+    config, connect_from, fd_count, good_transfer, limits, serial, wait_until, write_checked, Peak,
+    HANG, SECRET,
 };
 use common::raw_peer::{self, answer, read_msg, write_header, Raw};
 use kvwire_transfer::wire::{self, CtrlMsg, FrameHeader, FrameKind, WireRegion};
@@ -325,22 +324,7 @@ fn silent_peer_is_dropped() {
     });
     assert!(fd_count() <= fds0 + 3, "only its own three sockets remain");
     assert!(p.is_alive(), "the idle legitimate peer was kept");
-    i.local_write(src, 0, &common::pattern(13, 0, 4096))
-        .expect("fill");
-    let op = Op {
-        local: src,
-        local_offset: 0,
-        remote: t.region_id(r),
-        remote_offset: 0,
-        len: 4096,
-    };
-    i.write(&p, &[op], None, None)
-        .expect("submit")
-        .wait()
-        .expect("batch after the idle period");
-    let mut buf = vec![0u8; 4096];
-    t.local_read(r, 0, &mut buf).expect("read");
-    assert_eq!(common::mismatch(13, 0, &buf), None);
+    write_checked((&i, &p, src), (&t, r, 0), 13, 4096);
     drop((raw, lanes));
 }
 
@@ -359,20 +343,10 @@ fn slow_peer_does_not_stall_registration() {
         .expect("bind");
     sock.connect(&t.listen_addr().into()).expect("connect");
     let slow = raw_peer::handshake(sock.into(), Some(SECRET), 1).expect("handshake");
-    let (stop, most) = (
-        Arc::new(AtomicBool::new(false)),
-        Arc::new(AtomicU64::new(0)),
-    );
-    let sampler = {
-        let (stop, most, t) = (stop.clone(), most.clone(), t.clone());
-        std::thread::spawn(move || {
-            while !stop.load(Ordering::Relaxed) {
-                let q = t.metrics().peers.iter().map(|p| p.ctrl_queue_bytes).max();
-                most.fetch_max(q.unwrap_or(0), Ordering::Relaxed);
-                std::thread::sleep(Duration::from_millis(1));
-            }
-        })
-    };
+    let sampler = Peak::start(&t, |t| {
+        let q = t.metrics().peers.iter().map(|p| p.ctrl_queue_bytes).max();
+        q.unwrap_or(0)
+    });
     // Registrations whose announcements are far more than the slow peer's buffers and queue
     // hold; every one returns (a hang bound on the whole loop, not a speed check).
     let (done_tx, done_rx) = std::sync::mpsc::channel();
@@ -396,9 +370,8 @@ fn slow_peer_does_not_stall_registration() {
         .recv_timeout(HANG)
         .expect("registration waited for a slow peer");
     assert!(closed_after.is_some(), "the slow peer was never closed");
-    stop.store(true, Ordering::Relaxed);
-    sampler.join().expect("sampler");
-    assert!(most.load(Ordering::Relaxed) <= 256 << 10, "queue bound");
+    let most = sampler.finish();
+    assert!(most <= 256 << 10, "queue bound");
     wait_until("the slow peer is closed", || {
         t.metrics().peers_connected == 1
     });

@@ -8,12 +8,13 @@ use std::io::{Read, Write};
 use std::net::{SocketAddr, TcpStream};
 use std::time::Duration;
 
+use common::hostile::write_checked;
 use common::raw_peer::{self, answer, write_header};
 use common::{mismatch, pattern};
 use kvwire_transfer::auth::KeyShare;
 use kvwire_transfer::wire::{self, CtrlMsg, FrameHeader, FrameKind, FRAME_HEADER_LEN};
 use kvwire_transfer::{
-    Access, Engine, EngineConfig, Error, Limits, Op, RegionHandle, RegionId, TransportKind,
+    Access, Engine, EngineConfig, Error, Limits, RegionHandle, RegionId, TransportKind,
 };
 
 /// A target whose handshakes end after `handshake`.
@@ -80,23 +81,8 @@ fn good_transfer(t: &Engine, r: RegionHandle, seed: u64) {
     })
     .expect("engine");
     let src = i.alloc_region(4096, Access::Local).expect("alloc");
-    i.local_write(src, 0, &pattern(seed, 0, 4096))
-        .expect("fill");
     let p = i.connect(t.listen_addr()).expect("connect after bad input");
-    let op = Op {
-        local: src,
-        local_offset: 0,
-        remote: t.region_id(r),
-        remote_offset: 0,
-        len: 4096,
-    };
-    i.write(&p, &[op], None, None)
-        .expect("submit")
-        .wait()
-        .expect("batch");
-    let mut buf = vec![0u8; 4096];
-    t.local_read(r, 0, &mut buf).expect("read");
-    assert_eq!(mismatch(seed, 0, &buf), None);
+    write_checked((&i, &p, src), (t, r, 0), seed, 4096);
 }
 
 #[test]

@@ -1,15 +1,18 @@
 //! Helpers of the hostile-client tests: small limits and long timeouts (a pass never comes from
 //! a deadline expiring), resource counts of this process (`/proc/self/fd`, `/proc/self/task`)
 //! and their bounds computed from a configuration, connections from other loopback addresses,
-//! a verified transfer by a legitimate initiator, a counter of warning lines, and a lock that
+//! a verified transfer by a legitimate initiator, the peak of a metric while a test runs, a counter
+//! of warning lines, and a lock that
 //! runs these tests one at a time (the counts are process-wide).
 
 use std::net::{Ipv4Addr, SocketAddr, SocketAddrV4, TcpStream};
-use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::{Mutex, MutexGuard, OnceLock};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::{Arc, Mutex, MutexGuard, OnceLock};
 use std::time::{Duration, Instant};
 
-use kvwire_transfer::{Access, Engine, EngineConfig, Limits, Op, RegionHandle, TransportKind};
+use kvwire_transfer::{
+    Access, Engine, EngineConfig, Limits, Op, Peer, RegionHandle, TransportKind,
+};
 
 use super::{mismatch, pattern};
 
@@ -126,9 +129,21 @@ pub fn good_transfer(
     let len = 64 << 10;
     let i = Engine::new(cfg).expect("initiator");
     let src = i.alloc_region(len, Access::Local).expect("alloc");
+    let p = i.connect(t.listen_addr()).expect("legitimate connect");
+    write_checked((&i, &p, src), (t, r, offset), seed, len);
+    i
+}
+
+/// The initiator `i` fills `src` with `len` bytes of pattern `seed` (as of `offset`) and writes
+/// them through `p` into the target's region `r` at `offset`; every byte is then checked there.
+pub fn write_checked(
+    (i, p, src): (&Engine, &Peer, RegionHandle),
+    (t, r, offset): (&Engine, RegionHandle, u64),
+    seed: u64,
+    len: usize,
+) {
     i.local_write(src, 0, &pattern(seed, offset, len))
         .expect("fill");
-    let p = i.connect(t.listen_addr()).expect("legitimate connect");
     let op = Op {
         local: src,
         local_offset: 0,
@@ -136,7 +151,7 @@ pub fn good_transfer(
         remote_offset: offset,
         len: len as u64,
     };
-    i.write(&p, &[op], None, None)
+    i.write(p, &[op], None, None)
         .expect("submit")
         .wait()
         .expect("legitimate batch");
@@ -147,7 +162,45 @@ pub fn good_transfer(
         None,
         "transferred bytes differ"
     );
-    i
+}
+
+/// The highest value of `read(engine)`, sampled every millisecond from [`Peak::start`] to
+/// [`Peak::finish`] (a bound that must hold all along, not only at the end).
+pub struct Peak {
+    stop: Arc<AtomicBool>,
+    most: Arc<AtomicU64>,
+    thread: Option<std::thread::JoinHandle<()>>,
+}
+
+impl Peak {
+    /// Starts sampling `read(t)`.
+    pub fn start(t: &Engine, read: impl Fn(&Engine) -> u64 + Send + 'static) -> Peak {
+        let (stop, most) = (
+            Arc::new(AtomicBool::new(false)),
+            Arc::new(AtomicU64::new(0)),
+        );
+        let (s, m, t) = (stop.clone(), most.clone(), t.clone());
+        let thread = std::thread::spawn(move || {
+            while !s.load(Ordering::Relaxed) {
+                m.fetch_max(read(&t), Ordering::Relaxed);
+                std::thread::sleep(Duration::from_millis(1));
+            }
+        });
+        Peak {
+            stop,
+            most,
+            thread: Some(thread),
+        }
+    }
+
+    /// Stops sampling; the highest value seen.
+    pub fn finish(mut self) -> u64 {
+        self.stop.store(true, Ordering::Relaxed);
+        if let Some(t) = self.thread.take() {
+            t.join().expect("sampler");
+        }
+        self.most.load(Ordering::Relaxed)
+    }
 }
 
 /// Warning events of `kvwire_transfer` seen so far in this process (after
