@@ -15,20 +15,11 @@ fn main() -> std::io::Result<()> {
         .unwrap_or_else(|| "fuzz-seeds".into());
     let dir = Path::new(&dir);
     let share = KeyShare::from_bytes([3; 32]);
-    let region = WireRegion {
-        id: RegionId {
-            index: 1,
-            generation: 2,
-        },
-        len: 4096,
-        access: Access::ReadWrite,
-        addr: 0,
-        fd: -1,
-        ino: 0,
-        rkey: 0,
-        chunks: None,
-        ipc: None,
+    let id = RegionId {
+        index: 1,
+        generation: 2,
     };
+    let region = WireRegion::keyless(id, 4096, Access::ReadWrite);
     let host = HostIdentity {
         boot_id: "b".into(),
         pid_ns: "p".into(),

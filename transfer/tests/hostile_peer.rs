@@ -19,20 +19,11 @@ use kvwire_transfer::wire::{self, CtrlMsg, FrameHeader, FrameKind, WireRegion};
 use kvwire_transfer::{Access, Engine, Error, Limits, Op, RegionId, Resource};
 
 fn region(index: u32) -> WireRegion {
-    WireRegion {
-        id: RegionId {
-            index,
-            generation: 1,
-        },
-        len: 4096,
-        access: Access::ReadWrite,
-        addr: 0,
-        fd: -1,
-        ino: 0,
-        rkey: 0,
-        chunks: None,
-        ipc: None,
-    }
+    let id = RegionId {
+        index,
+        generation: 1,
+    };
+    WireRegion::keyless(id, 4096, Access::ReadWrite)
 }
 
 /// Sends a region-withdrawal fence and waits for its answer: every earlier message was handled.

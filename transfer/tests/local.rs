@@ -533,28 +533,20 @@ fn cuda_ipc_without_a_cuda_driver_is_unsupported() {
 
 #[test]
 fn a_region_list_with_device_keys_round_trips_and_a_bad_flag_is_refused() {
+    use kvwire_transfer::wire::WireRegion;
     use kvwire_transfer::wire::{CtrlMsg, Field, ProtocolError};
     use kvwire_transfer::DeviceIpc;
-    let dev = kvwire_transfer::wire::WireRegion {
-        id: kvwire_transfer::RegionId {
-            index: 3,
-            generation: 1,
-        },
-        len: 1 << 20,
-        access: Access::ReadWrite,
-        addr: 0,
-        fd: -1,
-        ino: 0,
-        rkey: 0,
-        chunks: None,
+    let id = kvwire_transfer::RegionId {
+        index: 3,
+        generation: 1,
+    };
+    let host = WireRegion::keyless(id, 1 << 20, Access::ReadWrite);
+    let dev = WireRegion {
         ipc: Some(DeviceIpc {
             handle: [7; 64],
             offset: 4096,
         }),
-    };
-    let host = kvwire_transfer::wire::WireRegion {
-        ipc: None,
-        ..dev.clone()
+        ..host.clone()
     };
     let msg = CtrlMsg::RegionsSet(vec![dev, host]);
     let bytes = msg.encode();
@@ -580,22 +572,18 @@ fn a_region_in_rdma_chunks_round_trips_and_keys_that_do_not_cover_it_are_refused
     use kvwire_transfer::wire::{
         CtrlMsg, Layout, MrChunks, ProtocolError, WireRegion, MAX_MR_CHUNKS,
     };
+    let id = kvwire_transfer::RegionId {
+        index: 4,
+        generation: 2,
+    };
     let region = |len: u64, chunk: u64, rkeys: Vec<u32>| WireRegion {
-        id: kvwire_transfer::RegionId {
-            index: 4,
-            generation: 2,
-        },
-        len,
-        access: Access::ReadWrite,
         addr: 0x7000_0000,
-        fd: -1,
-        ino: 0,
         rkey: 11,
         chunks: Some(MrChunks {
             len: chunk,
             rkeys: rkeys.into(),
         }),
-        ipc: None,
+        ..WireRegion::keyless(id, len, Access::ReadWrite)
     };
     // 3 MiB + 1 in chunks of 1 MiB: four chunks, the keys of chunks 1..=3 listed
     let good = CtrlMsg::RegionsAdded(vec![region((3 << 20) + 1, 1 << 20, vec![12, 13, 14])]);

@@ -559,22 +559,16 @@ mod device_tests {
         });
         let data: Vec<u8> = (0..1 << 16).map(|i| (i * 7 + 3) as u8).collect();
         local.mem.copy_in(4096, &data).expect("fill");
+        let id = RegionId {
+            index: 9,
+            generation: 2,
+        };
         let wire = WireRegion {
-            id: RegionId {
-                index: 9,
-                generation: 2,
-            },
-            len: 1 << 20,
-            access: Access::ReadWrite,
-            addr: 0,
-            fd: -1,
-            ino: 0,
-            rkey: 0,
-            chunks: None,
             ipc: Some(DeviceIpc {
                 handle: [5; 64],
                 offset: 0,
             }),
+            ..WireRegion::keyless(id, 1 << 20, Access::ReadWrite)
         };
         let xfer = |lo: u64, ro: u64| Xfer {
             local: local.clone(),

@@ -121,6 +121,25 @@ pub struct WireRegion {
     pub ipc: Option<DeviceIpc>,
 }
 
+impl WireRegion {
+    /// `id` described with no transport's keys: no same-host mapping, no RDMA registration, no
+    /// device handle (what a peer on another host without RDMA is told). A transport's keys
+    /// are set on top of it.
+    pub fn keyless(id: RegionId, len: u64, access: Access) -> WireRegion {
+        WireRegion {
+            id,
+            len,
+            access,
+            addr: 0,
+            fd: -1,
+            ino: 0,
+            rkey: 0,
+            chunks: None,
+            ipc: None,
+        }
+    }
+}
+
 /// Most chunks one region's RDMA registration is cut in: every device's keys of every chunk of a
 /// region fit one key message (`wire::rdma`).
 pub const MAX_MR_CHUNKS: usize = (MAX_TRANSPORT_MSG - 4 - 10) / (4 * 16);
