@@ -87,6 +87,7 @@
 #![deny(missing_docs)]
 #![forbid(unsafe_code)]
 
+pub(crate) mod book;
 pub mod dside;
 pub mod metrics;
 pub mod msg;

@@ -5,20 +5,20 @@ use super::*;
 impl DSide {
     /// Fails `req`. `notify`: tell P with an `Abort` (false when P told us, or P is gone).
     pub(super) fn fail(&mut self, req: RequestId, reason: FailReason, notify: bool, now: Nanos) {
-        let Some(r) = self.reqs.get_mut(&req) else {
+        let Some(r) = self.book.reqs.get_mut(&req) else {
             return;
         };
         let peer = r.peer;
         let state = r.state;
         let blocks_sent = r.blocks_sent;
-        let peer_up = self.peers.is_up(peer);
+        let peer_up = self.book.peers.is_up(peer);
         match state {
-            DState::Early => self.drop_early(req, now, false),
+            DState::Early => self.book.drop_early(req, now, false),
             DState::Draining | DState::Promoted => {}
             DState::Waiting | DState::Landed | DState::Complete | DState::Reported => {
                 r.fail = Some(reason);
                 if notify && peer_up && state == DState::Waiting {
-                    self.send(peer, Message::Abort { req, reason });
+                    self.book.send(peer, Message::Abort { req, reason });
                 }
                 self.release_failed(req, now);
             }
@@ -33,11 +33,11 @@ impl DSide {
                     r.state = DState::Draining;
                     r.drain_since = now;
                     r.abort_sent = now;
-                    self.send(peer, Message::Abort { req, reason });
-                    self.arm(req, now);
+                    self.book.send(peer, Message::Abort { req, reason });
+                    self.arm(req);
                 } else {
                     if notify && peer_up {
-                        self.send(peer, Message::Abort { req, reason });
+                        self.book.send(peer, Message::Abort { req, reason });
                     }
                     self.release_failed(req, now);
                 }
@@ -47,7 +47,7 @@ impl DSide {
 
     /// Releases a failed request's blocks (if any), reports it failed and ends it.
     pub(super) fn release_failed(&mut self, req: RequestId, now: Nanos) {
-        let Some(r) = self.reqs.get_mut(&req) else {
+        let Some(r) = self.book.reqs.get_mut(&req) else {
             return;
         };
         let reason = r.fail.unwrap_or(FailReason::LocalAbort);
@@ -55,7 +55,8 @@ impl DSide {
         if r.landing {
             r.landing = false;
             let slots = std::mem::take(&mut blocks);
-            self.actions
+            self.book
+                .actions
                 .push_back(DAction::ReleaseLanding { req, slots });
         }
         r.rec.outcome = Outcome::Failed;
@@ -74,40 +75,18 @@ impl DSide {
                 reason = crate::metrics::fail_reason_name(reason),
                 "d released blocks"
             );
-            self.actions.push_back(DAction::ReleaseBlocks {
+            self.book.actions.push_back(DAction::ReleaseBlocks {
                 req,
                 blocks: blocks.clone(),
             });
         }
-        self.actions.push_back(DAction::ReportFailed {
+        self.book.actions.push_back(DAction::ReportFailed {
             req,
             blocks,
             reason,
         });
         self.stats.failed += 1;
-        self.end(req, now);
-    }
-
-    /// Forgets a request known only from P's messages. `peer_aborted`: P gave it up, so a
-    /// later arrival fails at once.
-    pub(super) fn drop_early(&mut self, req: RequestId, now: Nanos, peer_aborted: bool) {
-        if self.reqs.remove(&req).is_some() {
-            self.early -= 1;
-            self.tombs.bury(
-                req,
-                now.saturating_add(self.cfg.tombstone_ttl),
-                peer_aborted,
-            );
-        }
-    }
-
-    pub(super) fn end(&mut self, req: RequestId, now: Nanos) {
-        if let Some(r) = self.reqs.remove(&req) {
-            self.peers.detach(r.peer, req);
-            self.tombs
-                .bury(req, now.saturating_add(self.cfg.tombstone_ttl), false);
-            self.timeline.push_back(r.rec);
-        }
+        self.book.end(req, now);
     }
 
     pub(super) fn peer_down(
@@ -117,12 +96,8 @@ impl DSide {
         cause: DownCause,
         now: Nanos,
     ) {
-        if let Some(reqs) = self.peers.down(peer) {
-            self.actions
-                .push_back(DAction::DisconnectPeer { peer, cause });
-            for req in reqs {
-                self.fail_for_peer(req, reason, now);
-            }
+        for req in self.book.peer_down(peer, cause).unwrap_or_default() {
+            self.fail_for_peer(req, reason, now);
         }
     }
 
@@ -134,7 +109,7 @@ impl DSide {
     /// request whose block ids went out still drains through an `Abort` round trip (the new
     /// life confirms unknown requests at once).
     pub(super) fn fail_for_peer(&mut self, req: RequestId, reason: FailReason, now: Nanos) {
-        match (self.reqs.get(&req).map(|r| r.state), reason) {
+        match (self.book.reqs.get(&req).map(|r| r.state), reason) {
             (Some(DState::Draining), FailReason::PeerDown) => self.release_failed(req, now),
             (Some(DState::Draining), _) => {}
             (Some(_), FailReason::PeerRestarted) => self.fail(req, reason, true, now),

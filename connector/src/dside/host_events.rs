@@ -15,8 +15,8 @@ impl DSide {
         if blocks == 0 {
             return Err(DError::NoBlocks(req));
         }
-        let peer_aborted = self.tombs.peer_aborted(req);
-        if self.tombs.contains(req) && !peer_aborted {
+        let peer_aborted = self.book.tombs.peer_aborted(req);
+        if self.book.tombs.contains(req) && !peer_aborted {
             return Err(DError::DuplicateRequest(req));
         }
         let mut rec = TimelineRecord::new(req, Side::D, &self.cfg.transport);
@@ -25,7 +25,7 @@ impl DSide {
         rec.blocks = blocks;
         rec.tokens = tokens;
         rec.decode_sent = Some(now);
-        let (p_started, p_done, p_acked, p_layers) = match self.reqs.get(&req) {
+        let (p_started, p_done, p_acked, p_layers) = match self.book.reqs.get(&req) {
             Some(r) if r.state == DState::Early && r.peer == peer => {
                 rec.p_scheduled = r.rec.p_scheduled;
                 rec.p_last_layer_ready = r.rec.p_last_layer_ready;
@@ -34,11 +34,11 @@ impl DSide {
             Some(_) => return Err(DError::DuplicateRequest(req)),
             None => (false, false, false, None),
         };
-        if self.reqs.contains_key(&req) {
-            self.early -= 1;
+        if self.book.reqs.contains_key(&req) {
+            self.book.early -= 1;
         }
-        self.touch_peer(peer, now);
-        self.reqs.insert(
+        self.book.touch_peer(peer, now);
+        self.book.reqs.insert(
             req,
             DReq {
                 peer,
@@ -63,17 +63,17 @@ impl DSide {
                 rec,
             },
         );
-        self.peers.attach(peer, req);
+        self.book.peers.attach(peer, req);
         self.metrics.arrived += 1;
         if peer_aborted {
             // P already gave this request up: it fails here at once (no blocks held).
-            if let Some(r) = self.reqs.get_mut(&req) {
+            if let Some(r) = self.book.reqs.get_mut(&req) {
                 r.fail = Some(FailReason::RemoteAbort);
             }
             self.release_failed(req, now);
             return Ok(());
         }
-        self.send(
+        self.book.send(
             peer,
             Message::Announce {
                 req,
@@ -84,7 +84,7 @@ impl DSide {
         if !self.check_p_shape(req, now) {
             return Ok(());
         }
-        self.arm(req, now);
+        self.arm(req);
         self.signal_if_reservable(req);
         Ok(())
     }
@@ -96,7 +96,7 @@ impl DSide {
         now: Nanos,
     ) -> Result<(), DError> {
         let policy = self.cfg.policy;
-        let Some(r) = self.reqs.get_mut(&req) else {
+        let Some(r) = self.book.reqs.get_mut(&req) else {
             // The request ended while the host was reserving: hand the blocks straight back.
             self.stats.stale_reservations += 1;
             self.metrics.releases += 1;
@@ -108,7 +108,8 @@ impl DSide {
                 reason = "stale",
                 "d released blocks"
             );
-            self.actions
+            self.book
+                .actions
                 .push_back(DAction::ReleaseBlocks { req, blocks });
             return Ok(());
         };
@@ -129,7 +130,7 @@ impl DSide {
                 r.blocks = blocks;
                 self.metrics.reservations += 1;
                 self.metrics.reserved_blocks += r.blocks.len() as u64;
-                self.actions.push_back(DAction::ReportFinished { req });
+                self.book.actions.push_back(DAction::ReportFinished { req });
                 return Ok(());
             }
             DState::Early => return Err(DError::UnknownRequest(req)),
@@ -168,7 +169,7 @@ impl DSide {
             "d reserved blocks"
         );
         r.blocks = blocks;
-        self.send(peer, msg);
+        self.book.send(peer, msg);
         Ok(())
     }
 
@@ -178,10 +179,11 @@ impl DSide {
         slots: Vec<BlockId>,
         now: Nanos,
     ) -> Result<(), DError> {
-        let Some(r) = self.reqs.get_mut(&req) else {
+        let Some(r) = self.book.reqs.get_mut(&req) else {
             // Ended while the host took the slots: hand them straight back.
             self.stats.stale_reservations += 1;
-            self.actions
+            self.book
+                .actions
                 .push_back(DAction::ReleaseLanding { req, slots });
             return Ok(());
         };
@@ -208,7 +210,7 @@ impl DSide {
         };
         r.blocks = slots;
         self.metrics.landings += 1;
-        self.send(peer, msg);
+        self.book.send(peer, msg);
         Ok(())
     }
 }

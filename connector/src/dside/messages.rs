@@ -4,25 +4,21 @@ use super::*;
 
 impl DSide {
     pub(super) fn on_message(&mut self, from: PeerId, msg: Message, now: Nanos) {
-        self.touch_peer(from, now);
-        if let Message::Heartbeat { incarnation, .. } = msg {
-            if let Heard::Restarted(lost) = self.peers.heard(from, Some(incarnation), now) {
-                for req in lost {
-                    self.fail_for_peer(req, FailReason::PeerRestarted, now);
-                }
+        if let Some(lost) = self.book.heard(from, &msg, now) {
+            for req in lost {
+                self.fail_for_peer(req, FailReason::PeerRestarted, now);
             }
             return;
         }
-        let _ = self.peers.heard(from, None, now);
         let Some(req) = msg.request() else {
             return;
         };
-        if let Some(r) = self.reqs.get(&req) {
+        if let Some(r) = self.book.reqs.get(&req) {
             if r.peer != from {
                 self.stats.unexpected_messages += 1;
                 return;
             }
-        } else if self.tombs.contains(req) {
+        } else if self.book.tombs.contains(req) {
             self.stats.late_messages += 1;
             return;
         }
@@ -74,15 +70,15 @@ impl DSide {
             }
             Message::AllSent { layers, bytes, .. } => {
                 if layers != self.cfg.layers {
-                    if self.reqs.contains_key(&req) {
+                    if self.book.reqs.contains_key(&req) {
                         self.fail(req, FailReason::Protocol, true, now);
                     }
                     return;
                 }
                 self.on_data_msg(req, None, bytes, now);
             }
-            Message::Abort { .. } => match self.reqs.get(&req).map(|r| r.state) {
-                Some(DState::Early) => self.drop_early(req, now, true),
+            Message::Abort { .. } => match self.book.reqs.get(&req).map(|r| r.state) {
+                Some(DState::Early) => self.book.drop_early(req, now, true),
                 Some(DState::Waiting) | Some(DState::Reserved) => {
                     self.fail(req, FailReason::RemoteAbort, false, now)
                 }
@@ -90,7 +86,8 @@ impl DSide {
                 Some(_) => self.stats.late_messages += 1,
                 None => {
                     // P gave up a request D has not seen yet: remember, fail it on arrival.
-                    self.tombs
+                    self.book
+                        .tombs
                         .bury(req, now.saturating_add(self.cfg.tombstone_ttl), true);
                 }
             },
@@ -107,7 +104,7 @@ impl DSide {
         bytes: u64,
         now: Nanos,
     ) {
-        let Some(state) = self.reqs.get(&req).map(|r| (r.state, r.blocks_sent)) else {
+        let Some(state) = self.book.reqs.get(&req).map(|r| (r.state, r.blocks_sent)) else {
             self.stats.unexpected_messages += 1;
             return;
         };
@@ -122,11 +119,12 @@ impl DSide {
             // P cannot have written anything before it had our block ids.
             (DState::Early, _) | (DState::Waiting, _) | (DState::Reserved, false) => {
                 if self
+                    .book
                     .reqs
                     .get(&req)
                     .is_some_and(|r| r.state == DState::Early)
                 {
-                    self.drop_early(req, now, false);
+                    self.book.drop_early(req, now, false);
                 } else {
                     self.fail(req, FailReason::Protocol, true, now);
                 }
@@ -138,7 +136,7 @@ impl DSide {
     /// One layer (or, with `None`, every layer) has landed.
     pub(super) fn land(&mut self, req: RequestId, layer: Option<u16>, bytes: u64, now: Nanos) {
         let layers = self.cfg.layers;
-        let Some(r) = self.reqs.get_mut(&req) else {
+        let Some(r) = self.book.reqs.get_mut(&req) else {
             return;
         };
         let fresh = match layer {
@@ -174,15 +172,17 @@ impl DSide {
             let peer = r.peer;
             self.metrics.completed += 1;
             // Everything is here: the peer's death no longer affects this request.
-            self.peers.detach(peer, req);
+            self.book.peers.detach(peer, req);
             if r.landing {
                 // `land`: now (and only now) the request needs KV blocks.
                 r.state = DState::Landed;
                 let blocks = r.blocks_needed - r.first;
-                self.actions.push_back(DAction::MayReserve { req, blocks });
+                self.book
+                    .actions
+                    .push_back(DAction::MayReserve { req, blocks });
             } else {
                 r.state = DState::Complete;
-                self.actions.push_back(DAction::ReportFinished { req });
+                self.book.actions.push_back(DAction::ReportFinished { req });
             }
         }
     }

@@ -30,15 +30,12 @@ mod vocab;
 
 pub use vocab::*;
 
+use crate::book::{Book, Entry, HostAction, Liveness, Timer};
 use crate::metrics::{reason_index, DGauges, DMetrics};
 use crate::msg::{DecodeError, Message};
-use crate::peers::{Heard, LayerSet, Peers, Tombstones};
+use crate::peers::LayerSet;
 use crate::timeline::{Outcome, Side, TimelineRecord};
-use crate::timer::Deadlines;
-use crate::types::{
-    BlockId, DownCause, FailReason, IdMap, Nanos, PeerId, Policy, RequestId, MS, SEC,
-};
-use std::collections::VecDeque;
+use crate::types::{BlockId, DownCause, FailReason, Nanos, PeerId, Policy, RequestId, MS, SEC};
 use thiserror::Error;
 
 /// Configuration of one D instance.
@@ -151,24 +148,38 @@ struct DReq {
     rec: TimelineRecord,
 }
 
-#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord)]
-enum Timer {
-    Tick,
-    Req(RequestId, u32),
+impl Entry for DReq {
+    fn peer(&self) -> PeerId {
+        self.peer
+    }
+    fn created(&self) -> Nanos {
+        self.created
+    }
+    fn draining(&self) -> bool {
+        self.state == DState::Draining
+    }
+    fn generation(&mut self) -> &mut u32 {
+        &mut self.gen
+    }
+    fn into_record(self) -> TimelineRecord {
+        self.rec
+    }
+}
+
+impl HostAction for DAction {
+    fn send(to: PeerId, msg: Message) -> Self {
+        DAction::Send { to, msg }
+    }
+    fn disconnect(peer: PeerId, cause: DownCause) -> Self {
+        DAction::DisconnectPeer { peer, cause }
+    }
 }
 
 /// The D-side core. See the module documentation.
 #[derive(Debug)]
 pub struct DSide {
     cfg: DConfig,
-    reqs: IdMap<RequestId, DReq>,
-    early: usize,
-    peers: Peers,
-    tombs: Tombstones,
-    timers: Deadlines<Timer>,
-    tick_armed: bool,
-    actions: VecDeque<DAction>,
-    timeline: VecDeque<TimelineRecord>,
+    book: Book<DReq, DAction>,
     stats: DStats,
     metrics: DMetrics,
 }
@@ -176,15 +187,14 @@ pub struct DSide {
 impl DSide {
     /// A D core with no requests.
     pub fn new(cfg: DConfig) -> Self {
+        let live = Liveness {
+            incarnation: cfg.incarnation,
+            heartbeat_interval: cfg.heartbeat_interval,
+            peer_timeout: cfg.peer_timeout,
+            tombstone_ttl: cfg.tombstone_ttl,
+        };
         DSide {
-            reqs: IdMap::default(),
-            early: 0,
-            peers: Peers::default(),
-            tombs: Tombstones::default(),
-            timers: Deadlines::new(),
-            tick_armed: false,
-            actions: VecDeque::new(),
-            timeline: VecDeque::new(),
+            book: Book::new(live),
             stats: DStats::default(),
             metrics: DMetrics::new(cfg.policy),
             cfg,
@@ -210,7 +220,7 @@ impl DSide {
     /// held so far up to `now`. Walks the live requests once: call it per scrape or engine step.
     pub fn gauges(&self, now: Nanos) -> DGauges {
         let mut g = DGauges::default();
-        for r in self.reqs.values() {
+        for r in self.book.reqs.values() {
             match r.state {
                 DState::Early => g.early += 1,
                 DState::Waiting => g.waiting += 1,
@@ -236,13 +246,13 @@ impl DSide {
 
     /// Requests the core currently tracks (arrived and not ended, plus early ones).
     pub fn live_requests(&self) -> usize {
-        self.reqs.len()
+        self.book.reqs.len()
     }
 
     /// Whether the host may reserve blocks for `req` now. O(1); vLLM calls it from
     /// `get_num_new_matched_tokens` every step and returns `None` ("not yet") while false.
     pub fn may_reserve(&self, req: RequestId) -> bool {
-        self.reqs.get(&req).is_some_and(|r| {
+        self.book.reqs.get(&req).is_some_and(|r| {
             (r.state == DState::Waiting && r.policy != Policy::Land && allowed(r.policy, r))
                 || r.state == DState::Landed
         })
@@ -250,31 +260,35 @@ impl DSide {
 
     /// Blocks `req` holds in its reservation (empty if none).
     pub fn reserved_blocks(&self, req: RequestId) -> &[BlockId] {
-        self.reqs.get(&req).map_or(&[], |r| r.blocks.as_slice())
+        self.book
+            .reqs
+            .get(&req)
+            .map_or(&[], |r| r.blocks.as_slice())
     }
 
     /// Layers of `req` that have fully landed so far, in increasing order (empty if none, or if
     /// the request is unknown). A host that lands through a pool of its own copies each of them
     /// into the request's KV blocks as soon as it is listed, not after the last.
     pub fn landed_layers(&self, req: RequestId) -> Vec<u16> {
-        self.reqs
+        self.book
+            .reqs
             .get(&req)
             .map_or_else(Vec::new, |r| r.landed.iter().collect())
     }
 
     /// Next action for the host, if any.
     pub fn poll_action(&mut self) -> Option<DAction> {
-        self.actions.pop_front()
+        self.book.poll_action()
     }
 
     /// Next finished timeline record, if any.
     pub fn poll_timeline(&mut self) -> Option<TimelineRecord> {
-        self.timeline.pop_front()
+        self.book.poll_timeline()
     }
 
     /// When the host must call [`DSide::handle_timeout`] next (may be early; never late).
     pub fn poll_timeout(&self) -> Option<Nanos> {
-        self.timers.next()
+        self.book.poll_timeout()
     }
 
     /// Decodes bytes from P and handles the message. Undecodable bytes change nothing.
@@ -285,7 +299,7 @@ impl DSide {
 
     /// Feeds one event at time `now`.
     pub fn handle(&mut self, ev: DEvent, now: Nanos) -> Result<(), DError> {
-        self.tombs.expire(now);
+        self.book.tombs.expire(now);
         match ev {
             DEvent::Arrived {
                 req,
@@ -326,7 +340,7 @@ impl DSide {
                 if layer >= self.cfg.layers {
                     return Err(DError::LayerOutOfRange { req, layer });
                 }
-                match self.reqs.get(&req).map(|r| (r.state, r.blocks_sent)) {
+                match self.book.reqs.get(&req).map(|r| (r.state, r.blocks_sent)) {
                     Some((DState::Reserved, true)) => self.land(req, Some(layer), bytes, now),
                     Some((DState::Early | DState::Waiting, _)) => {
                         return Err(invalid(req, "layer_landed", DState::Waiting))
@@ -367,20 +381,20 @@ impl DSide {
                     return Err(invalid(req, "first_token", r.state));
                 }
                 r.rec.first_token = Some(now);
-                if let Some(r) = self.reqs.get(&req) {
+                if let Some(r) = self.book.reqs.get(&req) {
                     self.metrics.observe_first_token(&r.rec);
                 }
-                self.end(req, now);
+                self.book.end(req, now);
                 Ok(())
             }
             DEvent::Abort { req } => {
-                match self.reqs.get(&req).map(|r| r.state) {
+                match self.book.reqs.get(&req).map(|r| r.state) {
                     None | Some(DState::Early) => {
-                        if !self.tombs.contains(req) {
+                        if !self.book.tombs.contains(req) {
                             return Err(DError::UnknownRequest(req));
                         }
                     }
-                    Some(DState::Promoted) => self.end(req, now),
+                    Some(DState::Promoted) => self.book.end(req, now),
                     Some(_) => self.fail(req, FailReason::LocalAbort, true, now),
                 }
                 Ok(())
@@ -390,8 +404,8 @@ impl DSide {
                 Ok(())
             }
             DEvent::PeerUp { peer } => {
-                self.touch_peer(peer, now);
-                let _ = self.peers.heard(peer, None, now);
+                self.book.touch_peer(peer, now);
+                let _ = self.book.peers.heard(peer, None, now);
                 Ok(())
             }
             DEvent::PeerDown { peer } => {
@@ -403,8 +417,7 @@ impl DSide {
 
     /// Handles every deadline due at `now`.
     pub fn handle_timeout(&mut self, now: Nanos) {
-        self.tombs.expire(now);
-        for t in self.timers.take_due(now) {
+        for t in self.book.take_due(now) {
             match t {
                 Timer::Tick => self.tick(now),
                 Timer::Req(req, gen) => self.req_deadline(req, gen, now),
@@ -413,11 +426,11 @@ impl DSide {
     }
 
     fn signal_if_reservable(&mut self, req: RequestId) {
-        if let Some(r) = self.reqs.get_mut(&req) {
+        if let Some(r) = self.book.reqs.get_mut(&req) {
             if r.state == DState::Waiting && !r.signalled && allowed(r.policy, r) {
                 r.signalled = true;
                 let blocks = r.blocks_needed - r.first;
-                self.actions.push_back(if r.policy == Policy::Land {
+                self.book.actions.push_back(if r.policy == Policy::Land {
                     DAction::MayLand { req, blocks }
                 } else {
                     DAction::MayReserve { req, blocks }
@@ -429,7 +442,7 @@ impl DSide {
     /// Checks P's announced shape against ours; fails the request on mismatch.
     fn check_p_shape(&mut self, req: RequestId, now: Nanos) -> bool {
         let layers = self.cfg.layers;
-        let bad = self.reqs.get(&req).is_some_and(|r| {
+        let bad = self.book.reqs.get(&req).is_some_and(|r| {
             r.state != DState::Early
                 && r.p_layers
                     .is_some_and(|(l, b)| l != layers || b != r.blocks_needed)
@@ -442,13 +455,13 @@ impl DSide {
 
     /// The entry for a message about `req`, creating an early one if D has not seen it yet.
     fn early_or_get(&mut self, req: RequestId, from: PeerId, now: Nanos) -> Option<&mut DReq> {
-        if !self.reqs.contains_key(&req) {
-            if self.early >= self.cfg.max_early {
+        if !self.book.reqs.contains_key(&req) {
+            if self.book.early >= self.cfg.max_early {
                 self.stats.early_overflow += 1;
                 return None;
             }
-            self.early += 1;
-            self.reqs.insert(
+            self.book.early += 1;
+            self.book.reqs.insert(
                 req,
                 DReq {
                     peer: from,
@@ -473,28 +486,13 @@ impl DSide {
                     rec: TimelineRecord::new(req, Side::D, &self.cfg.transport),
                 },
             );
-            self.arm(req, now);
+            self.arm(req);
         }
-        self.reqs.get_mut(&req)
-    }
-
-    fn touch_peer(&mut self, peer: PeerId, now: Nanos) {
-        if let Some(hb) = self.peers.first_contact(peer, now, self.cfg.incarnation) {
-            self.send(peer, hb);
-            if !self.tick_armed {
-                self.tick_armed = true;
-                self.timers
-                    .arm(now.saturating_add(self.cfg.heartbeat_interval), Timer::Tick);
-            }
-        }
-    }
-
-    fn send(&mut self, to: PeerId, msg: Message) {
-        self.actions.push_back(DAction::Send { to, msg });
+        self.book.reqs.get_mut(&req)
     }
 
     fn get_mut(&mut self, req: RequestId) -> Result<&mut DReq, DError> {
-        match self.reqs.get_mut(&req) {
+        match self.book.reqs.get_mut(&req) {
             Some(r) if r.state != DState::Early => Ok(r),
             _ => Err(DError::UnknownRequest(req)),
         }
@@ -502,12 +500,12 @@ impl DSide {
 
     /// Entries in the deadline heap (stale ones included); for tests and benches.
     pub fn pending_deadlines(&self) -> usize {
-        self.timers.len()
+        self.book.pending_deadlines()
     }
 
     /// Requests remembered as recently ended; for tests and benches.
     pub fn tombstones(&self) -> usize {
-        self.tombs.len()
+        self.book.tombs.len()
     }
 }
 

@@ -5,13 +5,13 @@ use super::*;
 impl PSide {
     /// Fails `req`; `notify`: send D an `Abort` once nothing is in flight.
     pub(super) fn fail(&mut self, req: RequestId, reason: FailReason, notify: bool, now: Nanos) {
-        let Some(r) = self.reqs.get_mut(&req) else {
+        let Some(r) = self.book.reqs.get_mut(&req) else {
             return;
         };
         match r.state {
             PState::Early => {
                 let peer = r.peer;
-                self.drop_early(req, now, false);
+                self.book.drop_early(req, now, false);
                 if notify {
                     self.ack_abort(peer, req);
                 }
@@ -28,7 +28,9 @@ impl PSide {
                 if r.inflight > 0 {
                     r.state = PState::Draining;
                     r.drain_since = now;
-                    self.actions.push_back(PAction::CancelTransfers { req });
+                    self.book
+                        .actions
+                        .push_back(PAction::CancelTransfers { req });
                     self.arm(req);
                 } else {
                     self.finish_fail(req, now);
@@ -39,7 +41,7 @@ impl PSide {
 
     /// Releases P's blocks of a failed request, tells D (if it should) and ends it.
     pub(super) fn finish_fail(&mut self, req: RequestId, now: Nanos) {
-        let Some(r) = self.reqs.get_mut(&req) else {
+        let Some(r) = self.book.reqs.get_mut(&req) else {
             return;
         };
         let reason = r.fail.unwrap_or(FailReason::LocalAbort);
@@ -57,37 +59,17 @@ impl PSide {
             reason = fail_reason_name(reason),
             "p released blocks"
         );
-        self.actions
+        self.book
+            .actions
             .push_back(PAction::ReleaseBlocks { req, blocks });
-        self.actions
+        self.book
+            .actions
             .push_back(PAction::ReportFailed { req, reason });
-        if notify && self.peers.is_up(peer) {
-            self.send(peer, Message::Abort { req, reason });
+        if notify && self.book.peers.is_up(peer) {
+            self.book.send(peer, Message::Abort { req, reason });
         }
         self.stats.failed += 1;
-        self.end(req, now);
-    }
-
-    /// Forgets a request known only from D's messages. `peer_aborted`: D gave it up, so a
-    /// later `Scheduled` fails at once.
-    pub(super) fn drop_early(&mut self, req: RequestId, now: Nanos, peer_aborted: bool) {
-        if self.reqs.remove(&req).is_some() {
-            self.early -= 1;
-            self.tombs.bury(
-                req,
-                now.saturating_add(self.cfg.tombstone_ttl),
-                peer_aborted,
-            );
-        }
-    }
-
-    pub(super) fn end(&mut self, req: RequestId, now: Nanos) {
-        if let Some(r) = self.reqs.remove(&req) {
-            self.peers.detach(r.peer, req);
-            self.tombs
-                .bury(req, now.saturating_add(self.cfg.tombstone_ttl), false);
-            self.timeline.push_back(r.rec);
-        }
+        self.book.end(req, now);
     }
 
     pub(super) fn peer_down(
@@ -97,12 +79,8 @@ impl PSide {
         cause: DownCause,
         now: Nanos,
     ) {
-        if let Some(reqs) = self.peers.down(peer) {
-            self.actions
-                .push_back(PAction::DisconnectPeer { peer, cause });
-            for req in reqs {
-                self.fail(req, reason, false, now);
-            }
+        for req in self.book.peer_down(peer, cause).unwrap_or_default() {
+            self.fail(req, reason, false, now);
         }
     }
 }

@@ -4,20 +4,16 @@ use super::*;
 
 impl PSide {
     pub(super) fn on_message(&mut self, from: PeerId, msg: Message, now: Nanos) {
-        self.touch_peer(from, now);
-        if let Message::Heartbeat { incarnation, .. } = msg {
-            if let Heard::Restarted(lost) = self.peers.heard(from, Some(incarnation), now) {
-                for req in lost {
-                    self.fail(req, FailReason::PeerRestarted, false, now);
-                }
+        if let Some(lost) = self.book.heard(from, &msg, now) {
+            for req in lost {
+                self.fail(req, FailReason::PeerRestarted, false, now);
             }
             return;
         }
-        let _ = self.peers.heard(from, None, now);
         let Some(req) = msg.request() else {
             return;
         };
-        if let Some(r) = self.reqs.get(&req) {
+        if let Some(r) = self.book.reqs.get(&req) {
             if r.peer != from {
                 self.stats.unexpected_messages += 1;
                 return;
@@ -35,11 +31,11 @@ impl PSide {
                     landing,
                     blocks: blocks.into(),
                 };
-                if self.tombs.contains(req) {
+                if self.book.tombs.contains(req) {
                     self.stats.late += 1;
                     return;
                 }
-                match self.reqs.get(&req).map(|r| r.state) {
+                match self.book.reqs.get(&req).map(|r| r.state) {
                     Some(PState::Active) => self.set_destination(req, dst, now),
                     Some(PState::Draining) => self.stats.late += 1,
                     Some(PState::Early) | None => {
@@ -54,25 +50,26 @@ impl PSide {
                 }
             }
             Message::Announce { .. } => {
-                if self.tombs.contains(req) {
+                if self.book.tombs.contains(req) {
                     self.stats.late += 1;
                     return;
                 }
-                if !self.reqs.contains_key(&req) {
+                if !self.book.reqs.contains_key(&req) {
                     let _ = self.early_entry(req, from, now);
                 }
             }
-            Message::Abort { .. } => match self.reqs.get(&req).map(|r| r.state) {
+            Message::Abort { .. } => match self.book.reqs.get(&req).map(|r| r.state) {
                 Some(PState::Active) => self.fail(req, FailReason::RemoteAbort, true, now),
                 Some(PState::Draining) => {}
                 Some(PState::Early) => {
-                    self.drop_early(req, now, true);
+                    self.book.drop_early(req, now, true);
                     self.ack_abort(from, req);
                 }
                 // Nothing of ours can be in flight: confirm so D can release at once.
                 None => {
-                    if !self.tombs.contains(req) {
-                        self.tombs
+                    if !self.book.tombs.contains(req) {
+                        self.book
+                            .tombs
                             .bury(req, now.saturating_add(self.cfg.tombstone_ttl), true);
                     }
                     self.ack_abort(from, req);
@@ -88,8 +85,8 @@ impl PSide {
     }
 
     pub(super) fn ack_abort(&mut self, to: PeerId, req: RequestId) {
-        if self.peers.is_up(to) {
-            self.send(
+        if self.book.peers.is_up(to) {
+            self.book.send(
                 to,
                 Message::Abort {
                     req,

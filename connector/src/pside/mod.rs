@@ -27,15 +27,12 @@ mod vocab;
 
 pub use vocab::*;
 
+use crate::book::{Book, Entry, HostAction, Liveness, Timer};
 use crate::metrics::{fail_reason_name, reason_index, PMetrics};
 use crate::msg::{DecodeError, Message};
-use crate::peers::{Heard, LayerSet, Peers, Tombstones};
+use crate::peers::LayerSet;
 use crate::timeline::{Outcome, Side, TimelineRecord};
-use crate::timer::Deadlines;
-use crate::types::{
-    BlockId, DownCause, FailReason, IdMap, Nanos, PeerId, RequestId, SendMode, MS, SEC,
-};
-use std::collections::VecDeque;
+use crate::types::{BlockId, DownCause, FailReason, Nanos, PeerId, RequestId, SendMode, MS, SEC};
 use std::sync::Arc;
 use thiserror::Error;
 
@@ -134,24 +131,38 @@ struct Dst {
     blocks: Arc<[BlockId]>,
 }
 
-#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord)]
-enum Timer {
-    Tick,
-    Req(RequestId, u32),
+impl Entry for PReq {
+    fn peer(&self) -> PeerId {
+        self.peer
+    }
+    fn created(&self) -> Nanos {
+        self.created
+    }
+    fn draining(&self) -> bool {
+        self.state == PState::Draining
+    }
+    fn generation(&mut self) -> &mut u32 {
+        &mut self.gen
+    }
+    fn into_record(self) -> TimelineRecord {
+        self.rec
+    }
+}
+
+impl HostAction for PAction {
+    fn send(to: PeerId, msg: Message) -> Self {
+        PAction::Send { to, msg }
+    }
+    fn disconnect(peer: PeerId, cause: DownCause) -> Self {
+        PAction::DisconnectPeer { peer, cause }
+    }
 }
 
 /// The P-side core. See the module documentation.
 #[derive(Debug)]
 pub struct PSide {
     cfg: PConfig,
-    reqs: IdMap<RequestId, PReq>,
-    early: usize,
-    peers: Peers,
-    tombs: Tombstones,
-    timers: Deadlines<Timer>,
-    tick_armed: bool,
-    actions: VecDeque<PAction>,
-    timeline: VecDeque<TimelineRecord>,
+    book: Book<PReq, PAction>,
     stats: PStats,
     metrics: PMetrics,
 }
@@ -159,18 +170,17 @@ pub struct PSide {
 impl PSide {
     /// A P core with no requests.
     pub fn new(cfg: PConfig) -> Self {
+        let live = Liveness {
+            incarnation: cfg.incarnation,
+            heartbeat_interval: cfg.heartbeat_interval,
+            peer_timeout: cfg.peer_timeout,
+            tombstone_ttl: cfg.tombstone_ttl,
+        };
         PSide {
-            cfg,
-            reqs: IdMap::default(),
-            early: 0,
-            peers: Peers::default(),
-            tombs: Tombstones::default(),
-            timers: Deadlines::new(),
-            tick_armed: false,
-            actions: VecDeque::new(),
-            timeline: VecDeque::new(),
+            book: Book::new(live),
             stats: PStats::default(),
             metrics: PMetrics::default(),
+            cfg,
         }
     }
 
@@ -191,32 +201,32 @@ impl PSide {
 
     /// Requests the core currently tracks (scheduled and not ended, plus early ones).
     pub fn live_requests(&self) -> usize {
-        self.reqs.len()
+        self.book.reqs.len()
     }
 
     /// Whether D's block ids for `req` are known. O(1).
     pub fn has_destination(&self, req: RequestId) -> bool {
-        self.reqs.get(&req).is_some_and(|r| r.dst.is_some())
+        self.book.reqs.get(&req).is_some_and(|r| r.dst.is_some())
     }
 
     /// Next action for the host, if any.
     pub fn poll_action(&mut self) -> Option<PAction> {
-        self.actions.pop_front()
+        self.book.poll_action()
     }
 
     /// Next finished timeline record, if any.
     pub fn poll_timeline(&mut self) -> Option<TimelineRecord> {
-        self.timeline.pop_front()
+        self.book.poll_timeline()
     }
 
     /// When the host must call [`PSide::handle_timeout`] next (may be early; never late).
     pub fn poll_timeout(&self) -> Option<Nanos> {
-        self.timers.next()
+        self.book.poll_timeout()
     }
 
     /// Entries in the deadline heap (stale ones included); for tests and benches.
     pub fn pending_deadlines(&self) -> usize {
-        self.timers.len()
+        self.book.pending_deadlines()
     }
 
     /// Decodes bytes from D and handles the message. Undecodable bytes change nothing.
@@ -227,7 +237,7 @@ impl PSide {
 
     /// Feeds one event at time `now`.
     pub fn handle(&mut self, ev: PEvent, now: Nanos) -> Result<(), PError> {
-        self.tombs.expire(now);
+        self.book.tombs.expire(now);
         match ev {
             PEvent::Scheduled {
                 req,
@@ -259,16 +269,16 @@ impl PSide {
             }
             PEvent::TransferFailed { req, layer } => self.transfer_settled(req, layer, None, now),
             PEvent::Queued { req, peer } => {
-                self.touch_peer(peer, now);
-                self.send(peer, Message::Queued { req });
+                self.book.touch_peer(peer, now);
+                self.book.send(peer, Message::Queued { req });
                 Ok(())
             }
             PEvent::Abort { req } => {
-                match self.reqs.get(&req).map(|r| r.state) {
+                match self.book.reqs.get(&req).map(|r| r.state) {
                     Some(PState::Active) => self.fail(req, FailReason::LocalAbort, true, now),
                     Some(PState::Draining) => {}
                     Some(PState::Early) | None => {
-                        if !self.tombs.contains(req) {
+                        if !self.book.tombs.contains(req) {
                             return Err(PError::UnknownRequest(req));
                         }
                     }
@@ -280,8 +290,8 @@ impl PSide {
                 Ok(())
             }
             PEvent::PeerUp { peer } => {
-                self.touch_peer(peer, now);
-                let _ = self.peers.heard(peer, None, now);
+                self.book.touch_peer(peer, now);
+                let _ = self.book.peers.heard(peer, None, now);
                 Ok(())
             }
             PEvent::PeerDown { peer } => {
@@ -293,8 +303,7 @@ impl PSide {
 
     /// Handles every deadline due at `now`.
     pub fn handle_timeout(&mut self, now: Nanos) {
-        self.tombs.expire(now);
-        for t in self.timers.take_due(now) {
+        for t in self.book.take_due(now) {
             match t {
                 Timer::Tick => self.tick(now),
                 Timer::Req(req, gen) => self.req_deadline(req, gen, now),
@@ -304,11 +313,11 @@ impl PSide {
 
     /// Whether `req` is active; `Ok(false)` for a recently ended one (late host event).
     fn known_active(&mut self, req: RequestId) -> Result<bool, PError> {
-        match self.reqs.get(&req).map(|r| r.state) {
+        match self.book.reqs.get(&req).map(|r| r.state) {
             Some(PState::Active) => Ok(true),
             Some(PState::Draining) => Ok(false),
             Some(PState::Early) | None => {
-                if self.tombs.contains(req) {
+                if self.book.tombs.contains(req) {
                     self.stats.late += 1;
                     Ok(false)
                 } else {
@@ -319,14 +328,14 @@ impl PSide {
     }
 
     fn early_entry(&mut self, req: RequestId, from: PeerId, now: Nanos) -> Option<&mut PReq> {
-        if !self.reqs.contains_key(&req) {
-            if self.early >= self.cfg.max_early {
+        if !self.book.reqs.contains_key(&req) {
+            if self.book.early >= self.cfg.max_early {
                 self.stats.early_overflow += 1;
                 return None;
             }
-            self.early += 1;
-            self.touch_peer(from, now);
-            self.reqs.insert(
+            self.book.early += 1;
+            self.book.touch_peer(from, now);
+            self.book.reqs.insert(
                 req,
                 PReq {
                     peer: from,
@@ -350,21 +359,6 @@ impl PSide {
             );
             self.arm(req);
         }
-        self.reqs.get_mut(&req)
-    }
-
-    fn touch_peer(&mut self, peer: PeerId, now: Nanos) {
-        if let Some(hb) = self.peers.first_contact(peer, now, self.cfg.incarnation) {
-            self.send(peer, hb);
-            if !self.tick_armed {
-                self.tick_armed = true;
-                self.timers
-                    .arm(now.saturating_add(self.cfg.heartbeat_interval), Timer::Tick);
-            }
-        }
-    }
-
-    fn send(&mut self, to: PeerId, msg: Message) {
-        self.actions.push_back(PAction::Send { to, msg });
+        self.book.reqs.get_mut(&req)
     }
 }

@@ -15,17 +15,17 @@ impl PSide {
         if blocks.is_empty() {
             return Err(PError::NoBlocks(req));
         }
-        let peer_aborted = self.tombs.peer_aborted(req);
-        if self.tombs.contains(req) && !peer_aborted {
+        let peer_aborted = self.book.tombs.peer_aborted(req);
+        if self.book.tombs.contains(req) && !peer_aborted {
             return Err(PError::DuplicateRequest(req));
         }
-        let early_dst = match self.reqs.get(&req) {
+        let early_dst = match self.book.reqs.get(&req) {
             Some(r) if r.state == PState::Early && r.peer == peer => r.dst.clone(),
             Some(_) => return Err(PError::DuplicateRequest(req)),
             None => None,
         };
-        if self.reqs.contains_key(&req) {
-            self.early -= 1;
+        if self.book.reqs.contains_key(&req) {
+            self.book.early -= 1;
         }
         let n = blocks.len();
         let mut rec = TimelineRecord::new(req, Side::P, &self.cfg.transport);
@@ -34,9 +34,9 @@ impl PSide {
         rec.blocks = n as u32;
         rec.tokens = tokens;
         rec.p_scheduled = Some(now);
-        self.touch_peer(peer, now);
+        self.book.touch_peer(peer, now);
         let layers = self.cfg.layers;
-        self.reqs.insert(
+        self.book.reqs.insert(
             req,
             PReq {
                 peer,
@@ -58,14 +58,14 @@ impl PSide {
                 rec,
             },
         );
-        self.peers.attach(peer, req);
+        self.book.peers.attach(peer, req);
         self.metrics.scheduled += 1;
         if peer_aborted {
             // D already gave this request up: release P's blocks at once.
             self.fail(req, FailReason::RemoteAbort, false, now);
             return Ok(());
         }
-        self.send(
+        self.book.send(
             peer,
             Message::Started {
                 req,
@@ -83,7 +83,7 @@ impl PSide {
     pub(super) fn layer_ready(&mut self, req: RequestId, layer: u16, now: Nanos) {
         let layers = self.cfg.layers;
         let mode = self.cfg.send_mode;
-        let Some(r) = self.reqs.get_mut(&req) else {
+        let Some(r) = self.book.reqs.get_mut(&req) else {
             return;
         };
         if !r.ready.insert(layer) {
@@ -99,7 +99,7 @@ impl PSide {
             r.prefill_done_at = now;
             r.rec.p_last_layer_ready = Some(now);
             let peer = r.peer;
-            self.send(peer, Message::PrefillDone { req });
+            self.book.send(peer, Message::PrefillDone { req });
             if !has_dst {
                 // Waiting for D's block ids now has its own, shorter deadline.
                 self.arm(req);
@@ -117,7 +117,7 @@ impl PSide {
 
     pub(super) fn set_destination(&mut self, req: RequestId, dst: Dst, now: Nanos) {
         let announce = self.cfg.announce_destination;
-        let Some(r) = self.reqs.get_mut(&req) else {
+        let Some(r) = self.book.reqs.get_mut(&req) else {
             return;
         };
         if let Some(have) = &r.dst {
@@ -137,7 +137,7 @@ impl PSide {
             r.src = Arc::from(&r.src[first..]);
         }
         if announce {
-            self.actions.push_back(PAction::Destination {
+            self.book.actions.push_back(PAction::Destination {
                 req,
                 peer: r.peer,
                 first: dst.first,
@@ -159,6 +159,7 @@ impl PSide {
     pub(super) fn issue_all_ready(&mut self, req: RequestId, now: Nanos) {
         for l in 0..self.cfg.layers {
             let ready = self
+                .book
                 .reqs
                 .get(&req)
                 .is_some_and(|r| r.ready.contains(l) && !r.issued.contains(l));
@@ -169,7 +170,7 @@ impl PSide {
     }
 
     pub(super) fn issue(&mut self, req: RequestId, layer: u16, now: Nanos) {
-        let Some(r) = self.reqs.get_mut(&req) else {
+        let Some(r) = self.book.reqs.get_mut(&req) else {
             return;
         };
         let Some(Dst {
@@ -190,7 +191,7 @@ impl PSide {
         }
         let first_inflight = r.inflight == 1;
         self.metrics.transfers += 1;
-        self.actions.push_back(PAction::Transfer {
+        self.book.actions.push_back(PAction::Transfer {
             req,
             peer: r.peer,
             layer,
@@ -211,8 +212,8 @@ impl PSide {
         now: Nanos,
     ) -> Result<(), PError> {
         let layers = self.cfg.layers;
-        let Some(r) = self.reqs.get_mut(&req) else {
-            if self.tombs.contains(req) {
+        let Some(r) = self.book.reqs.get_mut(&req) else {
+            if self.book.tombs.contains(req) {
                 self.stats.late += 1;
                 return Ok(());
             }
@@ -245,7 +246,7 @@ impl PSide {
             (_, Some(b)) => {
                 r.rec.bytes = r.rec.bytes.saturating_add(b);
                 let complete = r.done.count() == layers;
-                self.send(
+                self.book.send(
                     peer,
                     Message::LayerSent {
                         req,
@@ -264,7 +265,7 @@ impl PSide {
     /// Every layer was written: tell D, release P's blocks, end the request.
     pub(super) fn complete(&mut self, req: RequestId, now: Nanos) {
         let layers = self.cfg.layers;
-        let Some(r) = self.reqs.get_mut(&req) else {
+        let Some(r) = self.book.reqs.get_mut(&req) else {
             return;
         };
         r.rec.last_byte = Some(now);
@@ -285,7 +286,7 @@ impl PSide {
             reason = "sent",
             "p released blocks"
         );
-        self.send(
+        self.book.send(
             peer,
             Message::AllSent {
                 req,
@@ -293,10 +294,11 @@ impl PSide {
                 bytes: total,
             },
         );
-        self.actions
+        self.book
+            .actions
             .push_back(PAction::ReleaseBlocks { req, blocks });
-        self.actions.push_back(PAction::ReportFinished { req });
+        self.book.actions.push_back(PAction::ReportFinished { req });
         self.stats.finished += 1;
-        self.end(req, now);
+        self.book.end(req, now);
     }
 }
