@@ -7,7 +7,9 @@ use plotters::prelude::*;
 use plotters::style::FontStyle;
 use serde_json::Value;
 
-use crate::clock::plot::{perr, register_font, stacked_segments, COLORS, FONT};
+use crate::clock::plot::{
+    cell_label, draw_legend, perr, register_font, stacked_segments, COLORS, FONT,
+};
 use crate::clock::ClockError;
 
 /// The timeline segments in `ab.json` (the connector's names), in the order of the figure's.
@@ -42,14 +44,6 @@ pub fn render_png(ab: &Value, path: &Path) -> Result<(), ClockError> {
         .iter()
         .map(|r| r["arm"].as_str().unwrap_or("?").to_string())
         .collect();
-    let label = |names: &[String], x: &f64| {
-        let i = x.round();
-        if (x - i).abs() < 1e-6 && i >= 0.0 && (i as usize) < names.len() {
-            names[i as usize].clone()
-        } else {
-            String::new()
-        }
-    };
     let ttft = |r: &Value, q: &str| ms(&r["replay"]["overall"]["ttft_s"][q]);
     {
         let n = arms.len();
@@ -65,7 +59,7 @@ pub fn render_png(ab: &Value, path: &Path) -> Result<(), ClockError> {
             .configure_mesh()
             .disable_y_mesh()
             .y_labels(n * 2 + 1)
-            .y_label_formatter(&|y| label(&names, &(n as f64 - 1.0 - y)))
+            .y_label_formatter(&|y| cell_label(&names, n as f64 - 1.0 - y))
             .y_label_style((FONT, 16))
             .x_label_style((FONT, 16))
             .x_label_formatter(&|v| format!("{v:.0}"))
@@ -114,21 +108,14 @@ pub fn render_png(ab: &Value, path: &Path) -> Result<(), ClockError> {
             .configure_mesh()
             .disable_x_mesh()
             .x_labels(n * 2 + 1)
-            .x_label_formatter(&|x| label(&pd_names, x))
+            .x_label_formatter(&|x| cell_label(&pd_names, *x))
             .x_label_style((FONT, 14))
             .y_label_style((FONT, 16))
             .y_label_formatter(&|v| format!("{v:.0}"))
             .draw()
             .map_err(perr)?;
         stacked_segments(&mut chart, n, |i, k| seg(pd[i], k))?;
-        chart
-            .configure_series_labels()
-            .position(SeriesLabelPosition::UpperRight)
-            .label_font((FONT, 15))
-            .background_style(WHITE.mix(0.85))
-            .border_style(BLACK)
-            .draw()
-            .map_err(perr)?;
+        draw_legend(&mut chart, 15)?;
     }
     root.present().map_err(perr)?;
     Ok(())

@@ -97,6 +97,35 @@ pub fn stacked_segments(
     Ok(())
 }
 
+/// The name of the cell whose centre is at `x` (cells are 1 apart from 0), "" between cells:
+/// the labels of a bar chart's category axis.
+pub fn cell_label(names: &[String], x: f64) -> String {
+    let i = x.round();
+    if (x - i).abs() < 1e-6 && i >= 0.0 && (i as usize) < names.len() {
+        names[i as usize].clone()
+    } else {
+        String::new()
+    }
+}
+
+/// Draws `chart`'s legend in the figures' style: upper right, on a light background.
+pub fn draw_legend<'a, DB: DrawingBackend + 'a, CT: CoordTranslate>(
+    chart: &mut ChartContext<'a, DB, CT>,
+    font_size: u32,
+) -> Result<(), ClockError>
+where
+    DB::ErrorType: 'static,
+{
+    chart
+        .configure_series_labels()
+        .position(SeriesLabelPosition::UpperRight)
+        .label_font((FONT, font_size))
+        .background_style(WHITE.mix(0.85))
+        .border_style(BLACK)
+        .draw()
+        .map_err(perr)
+}
+
 /// Width and height of the figure.
 pub const SIZE: (u32, u32) = (1600, 1250);
 
@@ -139,14 +168,6 @@ pub fn render_png(r: &ClockReport, path: &Path) -> Result<(), ClockError> {
         .map(|s| s.clock_ms.p90.max(s.clock_ms.mean))
         .fold(1.0f64, f64::max)
         * 1.6;
-    let label_of = |names: &[String], x: &f64| -> String {
-        let i = x.round();
-        if (x - i).abs() < 1e-6 && i >= 0.0 && (i as usize) < names.len() {
-            names[i as usize].clone()
-        } else {
-            String::new()
-        }
-    };
     {
         let mut chart = ChartBuilder::on(&left)
             .margin(20)
@@ -162,7 +183,7 @@ pub fn render_png(r: &ClockReport, path: &Path) -> Result<(), ClockError> {
             .configure_mesh()
             .disable_x_mesh()
             .x_labels(n * 2 + 1)
-            .x_label_formatter(&|x| label_of(&names, x))
+            .x_label_formatter(&|x| cell_label(&names, *x))
             .x_label_style((FONT, 17))
             .y_label_style((FONT, 17))
             .y_label_formatter(&|v| format!("{v:.0}"))
@@ -208,14 +229,7 @@ pub fn render_png(r: &ClockReport, path: &Path) -> Result<(), ClockError> {
                 )
             }))
             .map_err(perr)?;
-        chart
-            .configure_series_labels()
-            .position(SeriesLabelPosition::UpperRight)
-            .label_font((FONT, 16))
-            .background_style(WHITE.mix(0.85))
-            .border_style(BLACK)
-            .draw()
-            .map_err(perr)?;
+        draw_legend(&mut chart, 16)?;
     }
     {
         let bmax = r
@@ -238,7 +252,7 @@ pub fn render_png(r: &ClockReport, path: &Path) -> Result<(), ClockError> {
             .configure_mesh()
             .disable_y_mesh()
             .y_labels(n * 2 + 1)
-            .y_label_formatter(&|y| label_of(&names, &(n as f64 - 1.0 - y)))
+            .y_label_formatter(&|y| cell_label(&names, n as f64 - 1.0 - y))
             .y_label_style((FONT, 16))
             .x_labels(5)
             .x_label_formatter(&|v| format!("{v:.0}"))
@@ -293,14 +307,6 @@ where
 {
     let n = r.summaries.len();
     let (left, right) = area.split_horizontally(1060);
-    let label_of = |x: &f64| -> String {
-        let i = x.round();
-        if (x - i).abs() < 1e-6 && i >= 0.0 && (i as usize) < names.len() {
-            names[i as usize].clone()
-        } else {
-            String::new()
-        }
-    };
     {
         let ymax = r
             .summaries
@@ -322,7 +328,7 @@ where
             .configure_mesh()
             .disable_x_mesh()
             .x_labels(n * 2 + 1)
-            .x_label_formatter(&label_of)
+            .x_label_formatter(&|x| cell_label(names, *x))
             .x_label_style((FONT, 15))
             .y_label_style((FONT, 16))
             .y_label_formatter(&|v| format!("{v:.0}"))
@@ -351,14 +357,7 @@ where
                     Rectangle::new([(x, y - 7), (x + 14, y + 7)], color.filled())
                 });
         }
-        chart
-            .configure_series_labels()
-            .position(SeriesLabelPosition::UpperRight)
-            .label_font((FONT, 16))
-            .background_style(WHITE.mix(0.85))
-            .border_style(BLACK)
-            .draw()
-            .map_err(perr)?;
+        draw_legend(&mut chart, 16)?;
     }
     {
         let pmax = r
@@ -381,7 +380,7 @@ where
             .configure_mesh()
             .disable_y_mesh()
             .y_labels(n * 2 + 1)
-            .y_label_formatter(&|y| label_of(&(n as f64 - 1.0 - y)))
+            .y_label_formatter(&|y| cell_label(names, n as f64 - 1.0 - y))
             .y_label_style((FONT, 15))
             .x_labels(5)
             .x_label_formatter(&|v| {
