@@ -2,7 +2,8 @@
 //! are known only from the peer's messages), the peers they belong to, the ids recently ended,
 //! the deadlines and the heartbeat tick, the actions for the host and the finished timeline
 //! records. What a request's state means is each side's own; this bookkeeping is the same on
-//! both, so it is written once.
+//! both, so it is written once, with the flows around it that only call back into a side
+//! ([`Core`]): timers, a peer lost, a peer heard.
 
 use std::collections::VecDeque;
 
@@ -10,7 +11,7 @@ use crate::msg::Message;
 use crate::peers::{Heard, Peers, Tombstones};
 use crate::timeline::TimelineRecord;
 use crate::timer::Deadlines;
-use crate::types::{DownCause, IdMap, Nanos, PeerId, RequestId};
+use crate::types::{DownCause, FailReason, IdMap, Nanos, PeerId, RequestId};
 
 /// A side's request, as the book sees it.
 pub(crate) trait Entry {
@@ -237,4 +238,92 @@ impl<R: Entry, A: HostAction> Book<R, A> {
     pub(crate) fn pending_deadlines(&self) -> usize {
         self.timers.len()
     }
+}
+
+/// A core over its book: what it adds so that the flows below are written once.
+pub(crate) trait Core {
+    type Req: Entry;
+    type Action: HostAction;
+    /// The peer's role, as log lines name it.
+    const PEER: &'static str;
+    fn book(&mut self) -> &mut Book<Self::Req, Self::Action>;
+    /// Fails `req` because its peer fell silent (the peer is told, should it come back).
+    fn fail_silent(&mut self, req: RequestId, now: Nanos);
+    /// Fails `req` because its peer is gone ([`FailReason::PeerDown`]) or restarted
+    /// ([`FailReason::PeerRestarted`]).
+    fn fail_for_peer(&mut self, req: RequestId, reason: FailReason, now: Nanos);
+    /// The deadline of `req` armed under `gen` fired at `now`.
+    fn req_deadline(&mut self, req: RequestId, gen: u32, now: Nanos);
+    /// Counts `n` peers fallen silent with requests to fail.
+    fn count_silences(&mut self, n: u64);
+    /// Counts a message about a request of another peer (ignored).
+    fn count_foreign(&mut self);
+}
+
+/// Handles every timer due at `now`: the heartbeat tick (the requests of silent peers fail,
+/// see [`Book::tick`]) and the requests' deadlines.
+pub(crate) fn run_timers<C: Core>(core: &mut C, now: Nanos) {
+    for t in core.book().take_due(now) {
+        match t {
+            Timer::Tick => {
+                let (silences, failing) = core.book().tick(now, C::PEER);
+                core.count_silences(silences);
+                for req in failing {
+                    core.fail_silent(req, now);
+                }
+                core.book().arm_tick(now);
+            }
+            Timer::Req(req, gen) => core.req_deadline(req, gen, now),
+        }
+    }
+}
+
+/// The transport lost `peer`, or the core gives it up (`cause`): the host tears its
+/// connection down and its requests fail (`reason`). Nothing happens twice for a peer
+/// already down.
+pub(crate) fn peer_down<C: Core>(
+    core: &mut C,
+    peer: PeerId,
+    reason: FailReason,
+    cause: DownCause,
+    now: Nanos,
+) {
+    for req in core.book().peer_down(peer, cause).unwrap_or_default() {
+        core.fail_for_peer(req, reason, now);
+    }
+}
+
+/// A drain the peer never confirmed: only tearing its connection down guarantees that nothing
+/// of it still moves once the blocks are released.
+pub(crate) fn drain_timed_out<C: Core>(core: &mut C, peer: PeerId, now: Nanos) {
+    peer_down(
+        core,
+        peer,
+        FailReason::PeerDown,
+        DownCause::DrainTimeout,
+        now,
+    );
+}
+
+/// Notes that `from` was heard (`msg`); a heartbeat that reveals a restart fails the requests
+/// of the life it ended. The request `msg` is about, for the side to handle; `None` for a
+/// heartbeat, a message about no request, or one about a request of another peer (counted).
+pub(crate) fn inbound<C: Core>(
+    core: &mut C,
+    from: PeerId,
+    msg: &Message,
+    now: Nanos,
+) -> Option<RequestId> {
+    if let Some(lost) = core.book().heard(from, msg, now) {
+        for req in lost {
+            core.fail_for_peer(req, FailReason::PeerRestarted, now);
+        }
+        return None;
+    }
+    let req = msg.request()?;
+    if core.book().reqs.get(&req).is_some_and(|r| r.peer() != from) {
+        core.count_foreign();
+        return None;
+    }
+    Some(req)
 }

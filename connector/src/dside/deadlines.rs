@@ -1,27 +1,18 @@
-//! Deadlines: the heartbeat tick, silent peers, and each request's own deadline.
+//! Each request's own deadline. The requests of a P silent for `peer_timeout` fail (see the
+//! module's docs, and [`book::run_timers`]): not given up, so a stalled P that comes back keeps
+//! its data path. Those whose block ids it has drain: their blocks wait for its confirming
+//! `Abort` or the drain deadline, and only that deadline gives it up
+//! ([`DownCause::DrainTimeout`]).
 
 use super::*;
 
 impl DSide {
-    /// The heartbeat tick. The requests of a P silent for `peer_timeout` fail (see the module's
-    /// docs): not given up, so a stalled P that comes back keeps its data path. Those whose
-    /// block ids it has drain: their blocks wait for its confirming `Abort` or the drain
-    /// deadline, and only that deadline gives it up ([`DownCause::DrainTimeout`]).
-    pub(super) fn tick(&mut self, now: Nanos) {
-        let (silences, failing) = self.book.tick(now, "P");
-        self.stats.silences += silences;
-        for req in failing {
-            self.fail(req, FailReason::Timeout, true, now);
-        }
-        self.book.arm_tick(now);
-    }
-
     pub(super) fn arm(&mut self, req: RequestId) {
         let cfg = &self.cfg;
         self.book.arm(req, |r| deadline(cfg, r));
     }
 
-    pub(super) fn req_deadline(&mut self, req: RequestId, gen: u32, now: Nanos) {
+    pub(super) fn deadline_passed(&mut self, req: RequestId, gen: u32, now: Nanos) {
         let cfg = &self.cfg;
         let Some(r) = self.book.due(req, gen, now, |r| deadline(cfg, r)) else {
             return;
@@ -58,7 +49,7 @@ impl DSide {
                 // P is alive but never confirmed: only tearing its connection down guarantees
                 // that no write lands in the blocks once they are released.
                 self.stats.drain_timeouts += 1;
-                self.peer_down(peer, FailReason::PeerDown, DownCause::DrainTimeout, now);
+                book::drain_timed_out(self, peer, now);
                 self.release_failed(req, now);
             }
             _ => self.fail(req, FailReason::Timeout, true, now),

@@ -89,18 +89,6 @@ impl DSide {
         self.book.end(req, now);
     }
 
-    pub(super) fn peer_down(
-        &mut self,
-        peer: PeerId,
-        reason: FailReason,
-        cause: DownCause,
-        now: Nanos,
-    ) {
-        for req in self.book.peer_down(peer, cause).unwrap_or_default() {
-            self.fail_for_peer(req, reason, now);
-        }
-    }
-
     /// Fails a request because its P is gone: nothing more can land, so a draining
     /// reservation is released at once.
     ///
@@ -108,7 +96,7 @@ impl DSide {
     /// incarnation may have been overtaken by requests of the new life (a lost heartbeat), so a
     /// request whose block ids went out still drains through an `Abort` round trip (the new
     /// life confirms unknown requests at once).
-    pub(super) fn fail_for_peer(&mut self, req: RequestId, reason: FailReason, now: Nanos) {
+    pub(super) fn fail_for_p(&mut self, req: RequestId, reason: FailReason, now: Nanos) {
         match (self.book.reqs.get(&req).map(|r| r.state), reason) {
             (Some(DState::Draining), FailReason::PeerDown) => self.release_failed(req, now),
             (Some(DState::Draining), _) => {}

@@ -4,21 +4,10 @@ use super::*;
 
 impl DSide {
     pub(super) fn on_message(&mut self, from: PeerId, msg: Message, now: Nanos) {
-        if let Some(lost) = self.book.heard(from, &msg, now) {
-            for req in lost {
-                self.fail_for_peer(req, FailReason::PeerRestarted, now);
-            }
-            return;
-        }
-        let Some(req) = msg.request() else {
+        let Some(req) = book::inbound(self, from, &msg, now) else {
             return;
         };
-        if let Some(r) = self.book.reqs.get(&req) {
-            if r.peer != from {
-                self.stats.unexpected_messages += 1;
-                return;
-            }
-        } else if self.book.tombs.contains(req) {
+        if !self.book.reqs.contains_key(&req) && self.book.tombs.contains(req) {
             self.stats.late_messages += 1;
             return;
         }

@@ -30,7 +30,7 @@ mod vocab;
 
 pub use vocab::*;
 
-use crate::book::{Book, Entry, HostAction, Liveness, Timer};
+use crate::book::{self, Book, Core, Entry, HostAction, Liveness};
 use crate::metrics::{reason_index, DGauges, DMetrics};
 use crate::msg::{DecodeError, Message};
 use crate::peers::LayerSet;
@@ -119,7 +119,7 @@ impl DState {
 }
 
 #[derive(Debug)]
-struct DReq {
+pub(crate) struct DReq {
     peer: PeerId,
     state: DState,
     /// Blocks of the request (its whole prompt).
@@ -172,6 +172,30 @@ impl HostAction for DAction {
     }
     fn disconnect(peer: PeerId, cause: DownCause) -> Self {
         DAction::DisconnectPeer { peer, cause }
+    }
+}
+
+impl Core for DSide {
+    type Req = DReq;
+    type Action = DAction;
+    const PEER: &'static str = "P";
+    fn book(&mut self) -> &mut Book<DReq, DAction> {
+        &mut self.book
+    }
+    fn fail_silent(&mut self, req: RequestId, now: Nanos) {
+        self.fail(req, FailReason::Timeout, true, now);
+    }
+    fn fail_for_peer(&mut self, req: RequestId, reason: FailReason, now: Nanos) {
+        self.fail_for_p(req, reason, now);
+    }
+    fn req_deadline(&mut self, req: RequestId, gen: u32, now: Nanos) {
+        self.deadline_passed(req, gen, now);
+    }
+    fn count_silences(&mut self, n: u64) {
+        self.stats.silences += n;
+    }
+    fn count_foreign(&mut self) {
+        self.stats.unexpected_messages += 1;
     }
 }
 
@@ -409,7 +433,7 @@ impl DSide {
                 Ok(())
             }
             DEvent::PeerDown { peer } => {
-                self.peer_down(peer, FailReason::PeerDown, DownCause::Reported, now);
+                book::peer_down(self, peer, FailReason::PeerDown, DownCause::Reported, now);
                 Ok(())
             }
         }
@@ -417,12 +441,7 @@ impl DSide {
 
     /// Handles every deadline due at `now`.
     pub fn handle_timeout(&mut self, now: Nanos) {
-        for t in self.book.take_due(now) {
-            match t {
-                Timer::Tick => self.tick(now),
-                Timer::Req(req, gen) => self.req_deadline(req, gen, now),
-            }
-        }
+        book::run_timers(self, now);
     }
 
     fn signal_if_reservable(&mut self, req: RequestId) {

@@ -1,26 +1,16 @@
-//! Deadlines: the heartbeat tick, silent peers, and each request's own deadline.
+//! Each request's own deadline. The requests of a D silent for `peer_timeout` fail (see the
+//! module's docs, and [`book::run_timers`]), telling it: not given up, so a stalled D that comes
+//! back frees their blocks at once.
 
 use super::*;
 
 impl PSide {
-    /// The heartbeat tick. The requests of a D silent for `peer_timeout` fail (see the module's
-    /// docs), telling it: not given up, so a stalled D that comes back frees their blocks at
-    /// once.
-    pub(super) fn tick(&mut self, now: Nanos) {
-        let (silences, failing) = self.book.tick(now, "D");
-        self.stats.silences += silences;
-        for req in failing {
-            self.fail(req, FailReason::Timeout, true, now);
-        }
-        self.book.arm_tick(now);
-    }
-
     pub(super) fn arm(&mut self, req: RequestId) {
         let cfg = &self.cfg;
         self.book.arm(req, |r| Some(deadline(cfg, r)));
     }
 
-    pub(super) fn req_deadline(&mut self, req: RequestId, gen: u32, now: Nanos) {
+    pub(super) fn deadline_passed(&mut self, req: RequestId, gen: u32, now: Nanos) {
         let cfg = &self.cfg;
         let Some(r) = self.book.due(req, gen, now, |r| Some(deadline(cfg, r))) else {
             return;
@@ -38,7 +28,7 @@ impl PSide {
                 // stop reading our blocks (and writing D's) before the blocks are released.
                 self.stats.drain_timeouts += 1;
                 let peer = r.peer;
-                self.peer_down(peer, FailReason::PeerDown, DownCause::DrainTimeout, now);
+                book::drain_timed_out(self, peer, now);
                 self.finish_fail(req, now);
             }
             PState::Active => self.fail(req, FailReason::Timeout, true, now),

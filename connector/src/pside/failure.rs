@@ -71,16 +71,4 @@ impl PSide {
         self.stats.failed += 1;
         self.book.end(req, now);
     }
-
-    pub(super) fn peer_down(
-        &mut self,
-        peer: PeerId,
-        reason: FailReason,
-        cause: DownCause,
-        now: Nanos,
-    ) {
-        for req in self.book.peer_down(peer, cause).unwrap_or_default() {
-            self.fail(req, reason, false, now);
-        }
-    }
 }

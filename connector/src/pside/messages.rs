@@ -4,21 +4,9 @@ use super::*;
 
 impl PSide {
     pub(super) fn on_message(&mut self, from: PeerId, msg: Message, now: Nanos) {
-        if let Some(lost) = self.book.heard(from, &msg, now) {
-            for req in lost {
-                self.fail(req, FailReason::PeerRestarted, false, now);
-            }
-            return;
-        }
-        let Some(req) = msg.request() else {
+        let Some(req) = book::inbound(self, from, &msg, now) else {
             return;
         };
-        if let Some(r) = self.book.reqs.get(&req) {
-            if r.peer != from {
-                self.stats.unexpected_messages += 1;
-                return;
-            }
-        }
         match msg {
             Message::BlockIds {
                 blocks,

@@ -27,7 +27,7 @@ mod vocab;
 
 pub use vocab::*;
 
-use crate::book::{Book, Entry, HostAction, Liveness, Timer};
+use crate::book::{self, Book, Core, Entry, HostAction, Liveness};
 use crate::metrics::{fail_reason_name, reason_index, PMetrics};
 use crate::msg::{DecodeError, Message};
 use crate::peers::LayerSet;
@@ -102,7 +102,7 @@ enum PState {
 }
 
 #[derive(Debug)]
-struct PReq {
+pub(crate) struct PReq {
     peer: PeerId,
     state: PState,
     src: Arc<[BlockId]>,
@@ -155,6 +155,30 @@ impl HostAction for PAction {
     }
     fn disconnect(peer: PeerId, cause: DownCause) -> Self {
         PAction::DisconnectPeer { peer, cause }
+    }
+}
+
+impl Core for PSide {
+    type Req = PReq;
+    type Action = PAction;
+    const PEER: &'static str = "D";
+    fn book(&mut self) -> &mut Book<PReq, PAction> {
+        &mut self.book
+    }
+    fn fail_silent(&mut self, req: RequestId, now: Nanos) {
+        self.fail(req, FailReason::Timeout, true, now);
+    }
+    fn fail_for_peer(&mut self, req: RequestId, reason: FailReason, now: Nanos) {
+        self.fail(req, reason, false, now);
+    }
+    fn req_deadline(&mut self, req: RequestId, gen: u32, now: Nanos) {
+        self.deadline_passed(req, gen, now);
+    }
+    fn count_silences(&mut self, n: u64) {
+        self.stats.silences += n;
+    }
+    fn count_foreign(&mut self) {
+        self.stats.unexpected_messages += 1;
     }
 }
 
@@ -295,7 +319,7 @@ impl PSide {
                 Ok(())
             }
             PEvent::PeerDown { peer } => {
-                self.peer_down(peer, FailReason::PeerDown, DownCause::Reported, now);
+                book::peer_down(self, peer, FailReason::PeerDown, DownCause::Reported, now);
                 Ok(())
             }
         }
@@ -303,12 +327,7 @@ impl PSide {
 
     /// Handles every deadline due at `now`.
     pub fn handle_timeout(&mut self, now: Nanos) {
-        for t in self.book.take_due(now) {
-            match t {
-                Timer::Tick => self.tick(now),
-                Timer::Req(req, gen) => self.req_deadline(req, gen, now),
-            }
-        }
+        book::run_timers(self, now);
     }
 
     /// Whether `req` is active; `Ok(false)` for a recently ended one (late host event).
