@@ -41,26 +41,13 @@ impl DSide {
         self.book.reqs.insert(
             req,
             DReq {
-                peer,
-                state: DState::Waiting,
                 blocks_needed: blocks,
-                first: 0,
-                policy: self.cfg.policy,
-                landing: false,
                 p_layers,
                 p_started,
                 p_done,
                 p_acked,
                 landed: LayerSet::new(self.cfg.layers),
-                blocks: Vec::new(),
-                blocks_sent: false,
-                signalled: false,
-                created: now,
-                drain_since: 0,
-                abort_sent: 0,
-                gen: 0,
-                fail: None,
-                rec,
+                ..DReq::new(peer, DState::Waiting, self.cfg.policy, now, rec)
             },
         );
         self.book.peers.attach(peer, req);

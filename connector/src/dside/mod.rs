@@ -148,6 +148,35 @@ pub(crate) struct DReq {
     rec: TimelineRecord,
 }
 
+impl DReq {
+    /// A request of `peer` in `state`, first heard of at `now`, that P has not started and
+    /// that holds no blocks.
+    fn new(peer: PeerId, state: DState, policy: Policy, now: Nanos, rec: TimelineRecord) -> Self {
+        DReq {
+            peer,
+            state,
+            blocks_needed: 0,
+            first: 0,
+            policy,
+            landing: false,
+            p_layers: None,
+            p_started: false,
+            p_done: false,
+            p_acked: false,
+            landed: LayerSet::default(),
+            blocks: Vec::new(),
+            blocks_sent: false,
+            signalled: false,
+            created: now,
+            drain_since: 0,
+            abort_sent: 0,
+            gen: 0,
+            fail: None,
+            rec,
+        }
+    }
+}
+
 impl Entry for DReq {
     fn peer(&self) -> PeerId {
         self.peer
@@ -480,31 +509,9 @@ impl DSide {
                 return None;
             }
             self.book.early += 1;
-            self.book.reqs.insert(
-                req,
-                DReq {
-                    peer: from,
-                    state: DState::Early,
-                    blocks_needed: 0,
-                    first: 0,
-                    policy: self.cfg.policy,
-                    landing: false,
-                    p_layers: None,
-                    p_started: false,
-                    p_done: false,
-                    p_acked: false,
-                    landed: LayerSet::default(),
-                    blocks: Vec::new(),
-                    blocks_sent: false,
-                    signalled: false,
-                    created: now,
-                    drain_since: 0,
-                    abort_sent: 0,
-                    gen: 0,
-                    fail: None,
-                    rec: TimelineRecord::new(req, Side::D, &self.cfg.transport),
-                },
-            );
+            let rec = TimelineRecord::new(req, Side::D, &self.cfg.transport);
+            let r = DReq::new(from, DState::Early, self.cfg.policy, now, rec);
+            self.book.reqs.insert(req, r);
             self.arm(req);
         }
         self.book.reqs.get_mut(&req)

@@ -131,6 +131,39 @@ struct Dst {
     blocks: Arc<[BlockId]>,
 }
 
+impl PReq {
+    /// A request of `peer` in `state`, first heard of at `now`, that reads `src` and has no
+    /// layer ready, issued or done of `layers` (empty sets of their size).
+    fn new(
+        peer: PeerId,
+        state: PState,
+        src: Arc<[BlockId]>,
+        layers: LayerSet,
+        now: Nanos,
+        rec: TimelineRecord,
+    ) -> Self {
+        PReq {
+            peer,
+            state,
+            src,
+            dst: None,
+            ready: layers.clone(),
+            issued: layers.clone(),
+            done: layers,
+            inflight: 0,
+            prefill_done: false,
+            created: now,
+            prefill_done_at: 0,
+            last_progress: now,
+            drain_since: 0,
+            gen: 0,
+            fail: None,
+            silent: false,
+            rec,
+        }
+    }
+}
+
 impl Entry for PReq {
     fn peer(&self) -> PeerId {
         self.peer
@@ -354,28 +387,10 @@ impl PSide {
             }
             self.book.early += 1;
             self.book.touch_peer(from, now);
-            self.book.reqs.insert(
-                req,
-                PReq {
-                    peer: from,
-                    state: PState::Early,
-                    src: Arc::from(Vec::new()),
-                    dst: None,
-                    ready: LayerSet::default(),
-                    issued: LayerSet::default(),
-                    done: LayerSet::default(),
-                    inflight: 0,
-                    prefill_done: false,
-                    created: now,
-                    prefill_done_at: 0,
-                    last_progress: now,
-                    drain_since: 0,
-                    gen: 0,
-                    fail: None,
-                    silent: false,
-                    rec: TimelineRecord::new(req, Side::P, &self.cfg.transport),
-                },
-            );
+            let rec = TimelineRecord::new(req, Side::P, &self.cfg.transport);
+            let src = Arc::from(Vec::new());
+            let r = PReq::new(from, PState::Early, src, LayerSet::default(), now, rec);
+            self.book.reqs.insert(req, r);
             self.arm(req);
         }
         self.book.reqs.get_mut(&req)

@@ -38,25 +38,14 @@ impl PSide {
         let layers = self.cfg.layers;
         self.book.reqs.insert(
             req,
-            PReq {
+            PReq::new(
                 peer,
-                state: PState::Active,
-                src: blocks.into(),
-                dst: None,
-                ready: LayerSet::new(layers),
-                issued: LayerSet::new(layers),
-                done: LayerSet::new(layers),
-                inflight: 0,
-                prefill_done: false,
-                created: now,
-                prefill_done_at: 0,
-                last_progress: now,
-                drain_since: 0,
-                gen: 0,
-                fail: None,
-                silent: false,
+                PState::Active,
+                blocks.into(),
+                LayerSet::new(layers),
+                now,
                 rec,
-            },
+            ),
         );
         self.book.peers.attach(peer, req);
         self.metrics.scheduled += 1;
