@@ -118,8 +118,31 @@ fn send(py: Python<'_>, peer: u32, msg: &Message) -> PyResult<Py<PyAny>> {
     Ok(Py::new(py, Send { peer, data })?.into_any())
 }
 
-fn reason(r: kvwire_connector::FailReason) -> String {
-    kvwire_connector::metrics::fail_reason_name(r).to_string()
+fn report_failed(
+    py: Python<'_>,
+    req: u64,
+    blocks: Vec<u32>,
+    r: kvwire_connector::FailReason,
+) -> PyResult<Py<PyAny>> {
+    let reason = kvwire_connector::metrics::fail_reason_name(r).to_string();
+    Ok(Py::new(
+        py,
+        ReportFailed {
+            req,
+            blocks,
+            reason,
+        },
+    )?
+    .into_any())
+}
+
+fn disconnect(py: Python<'_>, peer: u32, cause: DownCause) -> PyResult<Py<PyAny>> {
+    let a = DisconnectPeer {
+        peer,
+        cause: cause.to_string(),
+        reported: cause == DownCause::Reported,
+    };
+    Ok(Py::new(py, a)?.into_any())
 }
 
 /// A D core action as its Python object.
@@ -141,24 +164,8 @@ pub fn d_action(py: Python<'_>, a: DAction) -> PyResult<Py<PyAny>> {
             req,
             blocks,
             reason: r,
-        } => Py::new(
-            py,
-            ReportFailed {
-                req: req.0,
-                blocks,
-                reason: reason(r),
-            },
-        )?
-        .into_any(),
-        DAction::DisconnectPeer { peer, cause } => Py::new(
-            py,
-            DisconnectPeer {
-                peer: peer.0,
-                cause: cause.to_string(),
-                reported: cause == DownCause::Reported,
-            },
-        )?
-        .into_any(),
+        } => return report_failed(py, req.0, blocks, r),
+        DAction::DisconnectPeer { peer, cause } => return disconnect(py, peer.0, cause),
     })
 }
 
@@ -209,24 +216,8 @@ pub fn p_action(py: Python<'_>, a: PAction) -> PyResult<Py<PyAny>> {
             Py::new(py, ReleaseBlocks { req: req.0, blocks })?.into_any()
         }
         PAction::ReportFinished { req } => Py::new(py, ReportFinished { req: req.0 })?.into_any(),
-        PAction::ReportFailed { req, reason: r } => Py::new(
-            py,
-            ReportFailed {
-                req: req.0,
-                blocks: Vec::new(),
-                reason: reason(r),
-            },
-        )?
-        .into_any(),
-        PAction::DisconnectPeer { peer, cause } => Py::new(
-            py,
-            DisconnectPeer {
-                peer: peer.0,
-                cause: cause.to_string(),
-                reported: cause == DownCause::Reported,
-            },
-        )?
-        .into_any(),
+        PAction::ReportFailed { req, reason: r } => return report_failed(py, req.0, Vec::new(), r),
+        PAction::DisconnectPeer { peer, cause } => return disconnect(py, peer.0, cause),
     })
 }
 

@@ -395,20 +395,14 @@ impl RegionMem {
                     len - done,
                 )
             };
-            if n < 0 {
-                let e = io::Error::last_os_error();
-                if e.kind() == io::ErrorKind::Interrupted {
-                    continue;
-                }
-                return Err(e);
-            }
-            if n == 0 {
-                return Err(io::Error::new(
-                    io::ErrorKind::UnexpectedEof,
-                    "connection closed mid-payload",
-                ));
-            }
-            done += n as usize;
+            let eof = (
+                io::ErrorKind::UnexpectedEof,
+                "connection closed mid-payload",
+            );
+            let Some(n) = progress(n, eof)? else {
+                continue;
+            };
+            done += n;
         }
         Ok(())
     }
@@ -537,22 +531,31 @@ pub fn cma_copy(
                 libc::process_vm_readv(pid, &liov, 1, &riov, 1, 0)
             }
         };
-        if n < 0 {
-            let e = io::Error::last_os_error();
-            if e.kind() == io::ErrorKind::Interrupted {
-                continue;
-            }
-            return Err(e);
-        }
-        if n == 0 {
-            return Err(io::Error::new(
-                io::ErrorKind::WriteZero,
-                "process_vm copy made no progress",
-            ));
-        }
-        done += n as usize;
+        let stuck = (io::ErrorKind::WriteZero, "process_vm copy made no progress");
+        let Some(n) = progress(n, stuck)? else {
+            continue;
+        };
+        done += n;
     }
     Ok(())
+}
+
+/// What a system call that moves bytes returned (`n`, with errno set when negative): the
+/// bytes it moved; `None` when a signal interrupted it (call it again); `zero` as the error
+/// when it moved nothing.
+fn progress(n: isize, zero: (io::ErrorKind, &'static str)) -> io::Result<Option<usize>> {
+    match n {
+        0 => Err(io::Error::new(zero.0, zero.1)),
+        n if n < 0 => {
+            let e = io::Error::last_os_error();
+            if e.kind() == io::ErrorKind::Interrupted {
+                Ok(None)
+            } else {
+                Err(e)
+            }
+        }
+        n => Ok(Some(n as usize)),
+    }
 }
 
 /// Reads `out.len()` bytes at `addr` in process `pid` with `process_vm_readv` (used to probe

@@ -563,18 +563,7 @@ impl Cell<'_> {
             Ev::DRecv(req) => self.d_arrive(req)?,
             Ev::LocalArrive(req) => self.local_arrive(req),
             Ev::PStepEnd => self.p_step_end()?,
-            Ev::PLayerReady(req, layer) => {
-                self.p
-                    .handle(
-                        PEvent::LayerReady {
-                            req: RequestId(req),
-                            layer,
-                        },
-                        self.now,
-                    )
-                    .map_err(p_err)?;
-                self.drain_p()?;
-            }
+            Ev::PLayerReady(req, layer) => self.p_layer_ready(req, layer)?,
             Ev::PChunkLayer {
                 req,
                 layer,
@@ -597,17 +586,8 @@ impl Cell<'_> {
             }
             Ev::Land(req, layer, bytes) => self.land(req, layer, bytes)?,
             Ev::Settle(req, layer, bytes) => {
-                self.p
-                    .handle(
-                        PEvent::TransferDone {
-                            req: RequestId(req),
-                            layer,
-                            bytes,
-                        },
-                        self.now,
-                    )
-                    .map_err(p_err)?;
-                self.drain_p()?;
+                let req = RequestId(req);
+                self.p_handle(PEvent::TransferDone { req, layer, bytes })?;
             }
             Ev::Piece {
                 req,

@@ -222,16 +222,7 @@ impl Cell<'_> {
             *r = (*r).max(upto);
         }
         if last {
-            self.p
-                .handle(
-                    PEvent::LayerReady {
-                        req: RequestId(req),
-                        layer,
-                    },
-                    self.now,
-                )
-                .map_err(p_err)?;
-            self.drain_p()?;
+            self.p_layer_ready(req, layer)?;
         }
         if self.streaming {
             self.stream(req, layer)?;
@@ -254,6 +245,18 @@ impl Cell<'_> {
             self.transfer_piece(req, layer, a, b)?;
         }
         Ok(())
+    }
+
+    /// Layer `layer` of `req` is ready on P.
+    pub(super) fn p_layer_ready(&mut self, req: u64, layer: u16) -> Result<(), ClockError> {
+        let req = RequestId(req);
+        self.p_handle(PEvent::LayerReady { req, layer })
+    }
+
+    /// Feeds P's core `ev` now, then carries out what it asks.
+    pub(super) fn p_handle(&mut self, ev: PEvent) -> Result<(), ClockError> {
+        self.p.handle(ev, self.now).map_err(p_err)?;
+        self.drain_p()
     }
 
     pub(super) fn drain_p(&mut self) -> Result<(), ClockError> {
