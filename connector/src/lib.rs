@@ -81,6 +81,11 @@
 //! println!("{}", rec.to_json_line());
 //! ```
 //!
+//! What a request's state means is each core's own; the bookkeeping around it (requests by id,
+//! peers and their liveness, recently ended ids, deadlines, pending actions, finished records)
+//! and the flows that only call back into a core (timers, a peer lost or restarted, a drain
+//! that timed out) are written once, in the crate-private `book` module.
+//!
 //! Per-event work is O(1) amortised (hash maps by request id, a deadline heap with lazy
 //! deletion, FIFO queues of pending actions): nothing walks all requests or all cached blocks.
 

@@ -15,24 +15,9 @@ import torch  # noqa: E402
 import kvwire  # noqa: E402
 from kvwire.vllm import KvwireConnector, KvwireConnectorMetadata  # noqa: E402
 from cuda_standin import defer_copies  # noqa: E402
-from vllm_harness import (  # noqa: E402
-    LAYERS, open_pair, PEER_TIMEOUT, RequestStatus, Side, assert_no_leak, d_delayed, d_request, free_port, kv_pattern,
-    make_request, model_dir, p_delayed, p_fill, p_request, run_until, timeline, wait_for)
-
-
-
-@pytest.fixture(scope="module")
-def mdir():
-    return model_dir()
-
-
-@pytest.fixture
-def pair(mdir):
-    sides = []
-    yield lambda d_extra=None, p_extra=None, p_kw=None, **kw: open_pair(sides, mdir, d_extra, p_extra, d_kw=kw,
-                                                                        p_kw=p_kw)
-    for s in sides:
-        s.close()
+from vllm_harness import (  # noqa: E402,F401 (mdir and pair: fixtures)
+    LAYERS, PEER_TIMEOUT, RequestStatus, Side, assert_no_leak, d_delayed, d_request, free_port, kv_pattern,
+    make_request, mdir, p_delayed, p_fill, p_request, pair, run_until, timeline, wait_for)
 
 
 def d_maps_empty(side):

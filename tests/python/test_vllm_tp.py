@@ -21,14 +21,9 @@ from kvwire.vllm import envelope as env  # noqa: E402
 from kvwire.vllm.connector import KvwireHandshake, rank_listen, request_key  # noqa: E402
 from vllm_harness import (  # noqa: E402
     LAYERS, open_pair, PEER_TIMEOUT, RequestStatus, Side, assert_no_leak, d_request, kv_pattern,
-    model_dir, p_core, p_fill, p_request, run_until, timeline)
+    mdir, p_core, p_fill, p_request, run_until, timeline)
 
 TP = 2
-
-
-@pytest.fixture(scope="module")
-def mdir():
-    return model_dir()
 
 
 @pytest.fixture

@@ -359,11 +359,11 @@ def mdir():
 
 @pytest.fixture
 def pair(mdir):
-    """``pair(d_extra, p_extra, roles=..., **d_kw)`` -> (D, P), closed after the test (a pytest
-    fixture; import it into a test module)."""
+    """``pair(d_extra, p_extra, roles=..., p_kw=None, **d_kw)`` -> (D, P), closed after the test
+    (a pytest fixture; import it into a test module)."""
     sides = []
-    yield lambda d_extra=None, p_extra=None, roles=("kv_consumer", "kv_producer"), **kw: open_pair(
-        sides, mdir, d_extra, p_extra, roles, d_kw=kw)
+    yield lambda d_extra=None, p_extra=None, roles=("kv_consumer", "kv_producer"), p_kw=None, **kw: open_pair(
+        sides, mdir, d_extra, p_extra, roles, d_kw=kw, p_kw=p_kw)
     for s in sides:
         s.close()
 
