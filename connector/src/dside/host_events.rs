@@ -104,13 +104,7 @@ impl DSide {
             DState::Waiting => {}
             DState::Landed => {
                 // `land`: the KV is complete in the landing pool; these are its KV blocks.
-                if blocks.len() != (r.blocks_needed - r.first) as usize {
-                    return Err(DError::WrongBlockCount {
-                        req,
-                        expected: r.blocks_needed - r.first,
-                        got: blocks.len(),
-                    });
-                }
+                r.check_count(req, blocks.len())?;
                 r.state = DState::Complete;
                 r.rec.d_reserved = Some(now);
                 r.landing = false;
@@ -127,13 +121,7 @@ impl DSide {
         if r.policy == Policy::Land || !allowed(r.policy, r) {
             return Err(DError::NotReservable(req));
         }
-        if blocks.len() != (r.blocks_needed - r.first) as usize {
-            return Err(DError::WrongBlockCount {
-                req,
-                expected: r.blocks_needed - r.first,
-                got: blocks.len(),
-            });
-        }
+        r.check_count(req, blocks.len())?;
         r.state = DState::Reserved;
         r.rec.d_reserved = Some(now);
         r.rec.blocks_to_p = Some(now);
@@ -177,13 +165,7 @@ impl DSide {
         if r.state != DState::Waiting || r.policy != Policy::Land || !r.signalled {
             return Err(invalid(req, "landing", r.state));
         }
-        if slots.len() != (r.blocks_needed - r.first) as usize {
-            return Err(DError::WrongBlockCount {
-                req,
-                expected: r.blocks_needed - r.first,
-                got: slots.len(),
-            });
-        }
+        r.check_count(req, slots.len())?;
         r.state = DState::Reserved;
         r.landing = true;
         r.rec.blocks_to_p = Some(now);

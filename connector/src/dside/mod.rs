@@ -175,6 +175,15 @@ impl DReq {
             rec,
         }
     }
+
+    /// Whether `got` blocks are what the request needs beyond D's prefix-cache hit.
+    fn check_count(&self, req: RequestId, got: usize) -> Result<(), DError> {
+        let expected = self.blocks_needed - self.first;
+        if got == expected as usize {
+            return Ok(());
+        }
+        Err(DError::WrongBlockCount { req, expected, got })
+    }
 }
 
 impl Entry for DReq {
