@@ -192,36 +192,24 @@ impl Sim {
         self.pending_transfers += 1;
         let f = &self.cfg.faults;
         let (err, hang) = (f.transfer_error, f.transfer_hang);
-        if self.rng_fault.chance(err) || now < self.ps[p].link_down_until {
-            let at = now + self.cfg.net.latency;
-            self.at(
-                at,
-                Ev::Settle {
-                    p,
-                    life,
-                    epoch,
-                    req,
-                    layer,
-                    bytes,
-                    ok: false,
-                },
-            );
-            return;
-        }
-        if self.rng_fault.chance(hang) {
-            let at = now + self.cfg.faults.transfer_deadline;
-            self.at(
-                at,
-                Ev::Settle {
-                    p,
-                    life,
-                    epoch,
-                    req,
-                    layer,
-                    bytes,
-                    ok: false,
-                },
-            );
+        let failed_at = if self.rng_fault.chance(err) || now < self.ps[p].link_down_until {
+            Some(now + self.cfg.net.latency)
+        } else if self.rng_fault.chance(hang) {
+            Some(now + self.cfg.faults.transfer_deadline)
+        } else {
+            None
+        };
+        let settle = |ok| Ev::Settle {
+            p,
+            life,
+            epoch,
+            req,
+            layer,
+            bytes,
+            ok,
+        };
+        if let Some(at) = failed_at {
+            self.at(at, settle(false));
             return;
         }
         let start = now.max(self.ps[p].link_free);
@@ -244,18 +232,7 @@ impl Sim {
                 landing,
             })),
         );
-        self.at(
-            land + self.cfg.net.latency,
-            Ev::Settle {
-                p,
-                life,
-                epoch,
-                req,
-                layer,
-                bytes,
-                ok: true,
-            },
-        );
+        self.at(land + self.cfg.net.latency, settle(true));
     }
 
     /// The checker's pool index of D's landing pool (after D's and every P's).
