@@ -122,28 +122,19 @@ impl DSide {
             return Err(DError::NotReservable(req));
         }
         r.check_count(req, blocks.len())?;
-        r.state = DState::Reserved;
         r.rec.d_reserved = Some(now);
-        r.rec.blocks_to_p = Some(now);
-        r.blocks_sent = true;
-        let peer = r.peer;
-        let msg = Message::BlockIds {
-            req,
-            first: r.first,
-            landing: false,
-            blocks: blocks.clone(),
-        };
+        let n = blocks.len();
+        let (peer, msg) = r.reserve(req, blocks, false, now);
         self.metrics.reservations += 1;
-        self.metrics.reserved_blocks += blocks.len() as u64;
+        self.metrics.reserved_blocks += n as u64;
         tracing::debug!(
             target: "kvwire_connector",
             req = req.0,
             peer = peer.0,
-            blocks = blocks.len(),
+            blocks = n,
             policy = policy.name(),
             "d reserved blocks"
         );
-        r.blocks = blocks;
         self.book.send(peer, msg);
         Ok(())
     }
@@ -166,18 +157,7 @@ impl DSide {
             return Err(invalid(req, "landing", r.state));
         }
         r.check_count(req, slots.len())?;
-        r.state = DState::Reserved;
-        r.landing = true;
-        r.rec.blocks_to_p = Some(now);
-        r.blocks_sent = true;
-        let peer = r.peer;
-        let msg = Message::BlockIds {
-            req,
-            first: r.first,
-            landing: true,
-            blocks: slots.clone(),
-        };
-        r.blocks = slots;
+        let (peer, msg) = r.reserve(req, slots, true, now);
         self.metrics.landings += 1;
         self.book.send(peer, msg);
         Ok(())

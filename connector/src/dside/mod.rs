@@ -176,6 +176,29 @@ impl DReq {
         }
     }
 
+    /// Reserved: `blocks` (landing-pool slots when `landing`) hold it now, and P is to be told
+    /// their ids (the message returned, for the peer returned).
+    fn reserve(
+        &mut self,
+        req: RequestId,
+        blocks: Vec<BlockId>,
+        landing: bool,
+        now: Nanos,
+    ) -> (PeerId, Message) {
+        self.state = DState::Reserved;
+        self.landing = landing;
+        self.rec.blocks_to_p = Some(now);
+        self.blocks_sent = true;
+        let msg = Message::BlockIds {
+            req,
+            first: self.first,
+            landing,
+            blocks: blocks.clone(),
+        };
+        self.blocks = blocks;
+        (self.peer, msg)
+    }
+
     /// Whether `got` blocks are what the request needs beyond D's prefix-cache hit.
     fn check_count(&self, req: RequestId, got: usize) -> Result<(), DError> {
         let expected = self.blocks_needed - self.first;
