@@ -32,6 +32,32 @@ fn transport_name(t: TransportKind) -> &'static str {
     }
 }
 
+/// Each test below twice, over tcp and over shm: module `name` with tests `tcp` and `shm`,
+/// each calling `body(transport, args...)`.
+macro_rules! over_tcp_and_shm {
+    ($($name:ident => $body:ident($($arg:expr),*);)*) => {$(
+        mod $name {
+            use super::*;
+            #[test]
+            fn tcp() {
+                $body(TransportKind::Tcp $(, $arg)*);
+            }
+            #[test]
+            fn shm() {
+                $body(TransportKind::Shm $(, $arg)*);
+            }
+        }
+    )*};
+}
+
+over_tcp_and_shm! {
+    random_tables_land_at_the_right_blocks => random_tables();
+    layers_ready_before_and_after_destination => ready_before_and_after_destination();
+    out_of_order_readiness => out_of_order(false);
+    out_of_order_readiness_staged => out_of_order(true);
+    abort_mid_stream_frees_staging_buffers => abort_mid_stream();
+}
+
 /// The target process: one write-only region; answers HASH/ZERO/NOTIFY on stdin.
 #[test]
 #[ignore = "entry point of the target process (run by the other tests)"]
@@ -279,16 +305,6 @@ fn random_tables(transport: TransportKind) {
     }
 }
 
-#[test]
-fn random_tables_land_at_the_right_blocks_tcp() {
-    random_tables(TransportKind::Tcp);
-}
-
-#[test]
-fn random_tables_land_at_the_right_blocks_shm() {
-    random_tables(TransportKind::Shm);
-}
-
 fn ready_before_and_after_destination(transport: TransportKind) {
     let mut st = Setup::new(transport, 8, 256, 128);
     let img = st.fill_src(7);
@@ -343,16 +359,6 @@ fn ready_before_and_after_destination(transport: TransportKind) {
         &dst,
     );
     st.check_both_ends(&img, &exp);
-}
-
-#[test]
-fn layers_ready_before_and_after_destination_tcp() {
-    ready_before_and_after_destination(TransportKind::Tcp);
-}
-
-#[test]
-fn layers_ready_before_and_after_destination_shm() {
-    ready_before_and_after_destination(TransportKind::Shm);
 }
 
 fn out_of_order(transport: TransportKind, staged: bool) {
@@ -422,26 +428,6 @@ fn out_of_order(transport: TransportKind, staged: bool) {
         );
         assert!(stats.batches >= 8 * 3);
     }
-}
-
-#[test]
-fn out_of_order_readiness_tcp() {
-    out_of_order(TransportKind::Tcp, false);
-}
-
-#[test]
-fn out_of_order_readiness_shm() {
-    out_of_order(TransportKind::Shm, false);
-}
-
-#[test]
-fn out_of_order_readiness_staged_tcp() {
-    out_of_order(TransportKind::Tcp, true);
-}
-
-#[test]
-fn out_of_order_readiness_staged_shm() {
-    out_of_order(TransportKind::Shm, true);
 }
 
 #[test]
@@ -632,16 +618,6 @@ fn abort_mid_stream(transport: TransportKind) {
     let tail = &exp0[(4 * l0) as usize..];
     assert!(tail.iter().all(|&b| b == 0));
     assert_eq!(st.target.hash(4 * l0, 4 * l0), fnv(tail));
-}
-
-#[test]
-fn abort_mid_stream_frees_staging_buffers_tcp() {
-    abort_mid_stream(TransportKind::Tcp);
-}
-
-#[test]
-fn abort_mid_stream_frees_staging_buffers_shm() {
-    abort_mid_stream(TransportKind::Shm);
 }
 
 #[test]
