@@ -1,9 +1,9 @@
 //! Helpers of the hostile-client tests: small limits and long timeouts (a pass never comes from
 //! a deadline expiring), resource counts of this process (`/proc/self/fd`, `/proc/self/task`)
 //! and their bounds computed from a configuration, connections from other loopback addresses,
-//! a verified transfer by a legitimate initiator, the peak of a metric while a test runs, a counter
-//! of warning lines, and a lock that
-//! runs these tests one at a time (the counts are process-wide).
+//! a verified transfer by a legitimate initiator, the peak of a metric while a test runs, a
+//! counter of warning lines, and a lock that runs these tests one at a time (the counts are
+//! process-wide).
 
 use std::net::{Ipv4Addr, SocketAddr, SocketAddrV4, TcpStream};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
