@@ -199,16 +199,7 @@ fn drain_deadline_releases_when_p_never_answers() {
     let mut now = 10;
     let mut released_at = None;
     while released_at.is_none() && now < 2 * until {
-        now = d.poll_timeout().unwrap();
-        d.handle_timeout(now);
-        from_p(
-            &mut d,
-            Message::Heartbeat {
-                incarnation: 1,
-                seq: now,
-            },
-            now,
-        );
+        now = d_next_deadline_p_alive(&mut d);
         let a = d_actions(&mut d);
         if releases(&a) > 0 {
             released_at = Some(now);
@@ -378,23 +369,9 @@ fn a_silent_p_that_never_confirms_is_given_up_after_the_drain() {
 #[test]
 fn new_incarnation_fails_the_old_lifes_requests() {
     let mut d = d(Policy::Lazy);
-    from_p(
-        &mut d,
-        Message::Heartbeat {
-            incarnation: 1,
-            seq: 1,
-        },
-        0,
-    );
+    from_p(&mut d, heartbeat(1, 1), 0);
     reserved_lazy(&mut d, 1);
-    from_p(
-        &mut d,
-        Message::Heartbeat {
-            incarnation: 2,
-            seq: 1,
-        },
-        5,
-    );
+    from_p(&mut d, heartbeat(2, 1), 5);
     // The connection is up and the new life may already be writing (its heartbeat may have
     // been overtaken): the reservation drains through an Abort round trip.
     let a = d_actions(&mut d);
@@ -450,16 +427,7 @@ fn lost_abort_is_resent_until_confirmed() {
     let mut now = 10;
     let mut resent = 0;
     while now < 10 + 3 * d.config().heartbeat_interval {
-        now = d.poll_timeout().unwrap();
-        d.handle_timeout(now);
-        from_p(
-            &mut d,
-            Message::Heartbeat {
-                incarnation: 1,
-                seq: now,
-            },
-            now,
-        );
+        now = d_next_deadline_p_alive(&mut d);
         resent += count_aborts(&d_actions(&mut d));
     }
     assert!(resent >= 2, "resent {resent}");
@@ -473,16 +441,7 @@ fn wait_for_p_deadline() {
     let t = d.config().wait_for_p_timeout;
     let mut now = 0;
     while now < t {
-        now = d.poll_timeout().unwrap();
-        d.handle_timeout(now);
-        from_p(
-            &mut d,
-            Message::Heartbeat {
-                incarnation: 1,
-                seq: now,
-            },
-            now,
-        );
+        now = d_next_deadline_p_alive(&mut d);
     }
     let a = d_actions(&mut d);
     assert!(a.iter().any(|x| matches!(x, DAction::ReportFailed { reason: FailReason::Timeout, blocks, .. } if blocks.is_empty())));

@@ -49,6 +49,19 @@ fn from_d(p: &mut PSide, msg: Message, now: Nanos) {
     p.handle(PEvent::Message { from: D, msg }, now).unwrap();
 }
 
+/// A heartbeat of a peer's life `incarnation`.
+fn heartbeat(incarnation: u64, seq: u64) -> Message {
+    Message::Heartbeat { incarnation, seq }
+}
+
+/// Runs D's next deadline while P stays alive (a heartbeat at the same instant); the instant.
+fn d_next_deadline_p_alive(d: &mut DSide) -> Nanos {
+    let now = d.poll_timeout().unwrap();
+    d.handle_timeout(now);
+    from_p(d, heartbeat(1, now), now);
+    now
+}
+
 fn has_may_reserve(a: &[DAction], req: u64) -> bool {
     a.iter()
         .any(|x| matches!(x, DAction::MayReserve { req: r, .. } if r.0 == req))

@@ -283,14 +283,7 @@ fn p_block_ids_deadline_after_prefill() {
     while now < t {
         now = p.poll_timeout().unwrap();
         p.handle_timeout(now);
-        from_d(
-            &mut p,
-            Message::Heartbeat {
-                incarnation: 1,
-                seq: now,
-            },
-            now,
-        );
+        from_d(&mut p, heartbeat(1, now), now);
     }
     let a = p_actions(&mut p);
     assert!(a.contains(&PAction::ReportFailed {

@@ -243,14 +243,7 @@ fn a_request_p_reports_queued_waits_past_wait_for_p_timeout() {
         t += SEC;
         d.handle_timeout(t);
         // P keeps talking (it is alive).
-        from_p(
-            &mut d,
-            Message::Heartbeat {
-                incarnation: 1,
-                seq: t,
-            },
-            t,
-        );
+        from_p(&mut d, heartbeat(1, t), t);
     }
     let a = d_actions(&mut d);
     assert!(a.iter().any(|x| matches!(x, DAction::ReportFailed { req, reason: FailReason::Timeout, .. } if req.0 == 2)));
