@@ -106,90 +106,49 @@ impl DCore {
     }
     /// The host reserved these blocks (after `may_reserve`).
     fn reserved(&mut self, req: u64, blocks: Vec<u32>, now: u64) -> PyResult<()> {
-        self.ev(
-            DEvent::Reserved {
-                req: RequestId(req),
-                blocks,
-            },
-            now,
-        )
+        let req = RequestId(req);
+        self.ev(DEvent::Reserved { req, blocks }, now)
     }
     /// D already holds the request's first `blocks` blocks (prefix-cache hit): the
     /// reservation and what P sends cover the others. Before `reserved`/`landing`.
     fn prefix_hit(&mut self, req: u64, blocks: u32, now: u64) -> PyResult<()> {
-        self.ev(
-            DEvent::PrefixHit {
-                req: RequestId(req),
-                blocks,
-            },
-            now,
-        )
+        let req = RequestId(req);
+        self.ev(DEvent::PrefixHit { req, blocks }, now)
     }
     /// Policy `land`: the request took these landing-pool slots (after `MayLand`).
     fn landing(&mut self, req: u64, slots: Vec<u32>, now: u64) -> PyResult<()> {
-        self.ev(
-            DEvent::Landing {
-                req: RequestId(req),
-                slots,
-            },
-            now,
-        )
+        let req = RequestId(req);
+        self.ev(DEvent::Landing { req, slots }, now)
     }
     /// Policy `land`: the landing pool cannot take the request; it goes `lazy`.
     fn land_fallback(&mut self, req: u64, now: u64) -> PyResult<()> {
-        self.ev(
-            DEvent::LandFallback {
-                req: RequestId(req),
-            },
-            now,
-        )
+        let req = RequestId(req);
+        self.ev(DEvent::LandFallback { req }, now)
     }
     /// A layer landed (local engine notification).
     fn layer_landed(&mut self, req: u64, layer: u16, bytes: u64, now: u64) -> PyResult<()> {
-        self.ev(
-            DEvent::LayerLanded {
-                req: RequestId(req),
-                layer,
-                bytes,
-            },
-            now,
-        )
+        let req = RequestId(req);
+        self.ev(DEvent::LayerLanded { req, layer, bytes }, now)
     }
     /// The host reported the request finished to its scheduler.
     fn reported(&mut self, req: u64, now: u64) -> PyResult<()> {
-        self.ev(
-            DEvent::Reported {
-                req: RequestId(req),
-            },
-            now,
-        )
+        let req = RequestId(req);
+        self.ev(DEvent::Reported { req }, now)
     }
     /// The scheduler promoted the request.
     fn promoted(&mut self, req: u64, now: u64) -> PyResult<()> {
-        self.ev(
-            DEvent::Promoted {
-                req: RequestId(req),
-            },
-            now,
-        )
+        let req = RequestId(req);
+        self.ev(DEvent::Promoted { req }, now)
     }
     /// The request produced its first token.
     fn first_token(&mut self, req: u64, now: u64) -> PyResult<()> {
-        self.ev(
-            DEvent::FirstToken {
-                req: RequestId(req),
-            },
-            now,
-        )
+        let req = RequestId(req);
+        self.ev(DEvent::FirstToken { req }, now)
     }
     /// The host aborts the request.
     fn abort(&mut self, req: u64, now: u64) -> PyResult<()> {
-        self.ev(
-            DEvent::Abort {
-                req: RequestId(req),
-            },
-            now,
-        )
+        let req = RequestId(req);
+        self.ev(DEvent::Abort { req }, now)
     }
     /// Bytes of a message from P (undecodable bytes raise and change nothing).
     fn message(&mut self, peer: u32, data: &[u8], now: u64) -> PyResult<()> {
@@ -348,52 +307,28 @@ impl PCore {
     }
     /// Layer `layer` is computed.
     fn layer_ready(&mut self, req: u64, layer: u16, now: u64) -> PyResult<()> {
-        self.ev(
-            PEvent::LayerReady {
-                req: RequestId(req),
-                layer,
-            },
-            now,
-        )
+        let req = RequestId(req);
+        self.ev(PEvent::LayerReady { req, layer }, now)
     }
     /// Prefill finished.
     fn prefill_done(&mut self, req: u64, now: u64) -> PyResult<()> {
-        self.ev(
-            PEvent::PrefillDone {
-                req: RequestId(req),
-            },
-            now,
-        )
+        let req = RequestId(req);
+        self.ev(PEvent::PrefillDone { req }, now)
     }
     /// A layer's transfer completed.
     fn transfer_done(&mut self, req: u64, layer: u16, bytes: u64, now: u64) -> PyResult<()> {
-        self.ev(
-            PEvent::TransferDone {
-                req: RequestId(req),
-                layer,
-                bytes,
-            },
-            now,
-        )
+        let req = RequestId(req);
+        self.ev(PEvent::TransferDone { req, layer, bytes }, now)
     }
     /// A layer's transfer failed.
     fn transfer_failed(&mut self, req: u64, layer: u16, now: u64) -> PyResult<()> {
-        self.ev(
-            PEvent::TransferFailed {
-                req: RequestId(req),
-                layer,
-            },
-            now,
-        )
+        let req = RequestId(req);
+        self.ev(PEvent::TransferFailed { req, layer }, now)
     }
     /// The host aborts the request.
     fn abort(&mut self, req: u64, now: u64) -> PyResult<()> {
-        self.ev(
-            PEvent::Abort {
-                req: RequestId(req),
-            },
-            now,
-        )
+        let req = RequestId(req);
+        self.ev(PEvent::Abort { req }, now)
     }
     /// Bytes of a message from D.
     fn message(&mut self, peer: u32, data: &[u8], now: u64) -> PyResult<()> {
