@@ -35,6 +35,68 @@ pub(crate) trait HostAction {
     fn disconnect(peer: PeerId, cause: DownCause) -> Self;
 }
 
+/// Makes `$core` a [`Core`] over a `Book<$req, $action>` in its field `book`: implements
+/// [`Entry`] for its request type `$req` (fields `peer`, `created`, `gen`, `rec`, and `state`,
+/// draining when it is `$draining`), [`HostAction`] for its action type `$action` (variants
+/// `Send` and `DisconnectPeer`) and [`Core`] with `$peer` as the peer's role, over the core's
+/// own `fail`, `$fail_for_peer`, `deadline_passed` and `stats` (`silences`,
+/// `unexpected_messages`): both sides name them alike.
+macro_rules! impl_core {
+    ($core:ty, $req:ty, $draining:path, $action:ident, $peer:literal, $fail_for_peer:ident) => {
+        impl $crate::book::Entry for $req {
+            fn peer(&self) -> PeerId {
+                self.peer
+            }
+            fn created(&self) -> Nanos {
+                self.created
+            }
+            fn draining(&self) -> bool {
+                self.state == $draining
+            }
+            fn generation(&mut self) -> &mut u32 {
+                &mut self.gen
+            }
+            fn into_record(self) -> TimelineRecord {
+                self.rec
+            }
+        }
+
+        impl $crate::book::HostAction for $action {
+            fn send(to: PeerId, msg: Message) -> Self {
+                $action::Send { to, msg }
+            }
+            fn disconnect(peer: PeerId, cause: DownCause) -> Self {
+                $action::DisconnectPeer { peer, cause }
+            }
+        }
+
+        impl $crate::book::Core for $core {
+            type Req = $req;
+            type Action = $action;
+            const PEER: &'static str = $peer;
+            fn book(&mut self) -> &mut $crate::book::Book<$req, $action> {
+                &mut self.book
+            }
+            fn fail_silent(&mut self, req: RequestId, now: Nanos) {
+                self.fail(req, FailReason::Timeout, true, now);
+            }
+            fn fail_for_peer(&mut self, req: RequestId, reason: FailReason, now: Nanos) {
+                self.$fail_for_peer(req, reason, now);
+            }
+            fn req_deadline(&mut self, req: RequestId, gen: u32, now: Nanos) {
+                self.deadline_passed(req, gen, now);
+            }
+            fn count_silences(&mut self, n: u64) {
+                self.stats.silences += n;
+            }
+            fn count_foreign(&mut self) {
+                self.stats.unexpected_messages += 1;
+            }
+        }
+    };
+}
+pub(crate) use impl_core;
+
 /// What a timer stands for.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord)]
 pub(crate) enum Timer {

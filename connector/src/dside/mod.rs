@@ -30,7 +30,7 @@ mod vocab;
 
 pub use vocab::*;
 
-use crate::book::{self, Book, Core, Entry, HostAction, Liveness};
+use crate::book::{self, Book, Liveness};
 use crate::metrics::{reason_index, DGauges, DMetrics};
 use crate::msg::{DecodeError, Message};
 use crate::peers::LayerSet;
@@ -209,56 +209,7 @@ impl DReq {
     }
 }
 
-impl Entry for DReq {
-    fn peer(&self) -> PeerId {
-        self.peer
-    }
-    fn created(&self) -> Nanos {
-        self.created
-    }
-    fn draining(&self) -> bool {
-        self.state == DState::Draining
-    }
-    fn generation(&mut self) -> &mut u32 {
-        &mut self.gen
-    }
-    fn into_record(self) -> TimelineRecord {
-        self.rec
-    }
-}
-
-impl HostAction for DAction {
-    fn send(to: PeerId, msg: Message) -> Self {
-        DAction::Send { to, msg }
-    }
-    fn disconnect(peer: PeerId, cause: DownCause) -> Self {
-        DAction::DisconnectPeer { peer, cause }
-    }
-}
-
-impl Core for DSide {
-    type Req = DReq;
-    type Action = DAction;
-    const PEER: &'static str = "P";
-    fn book(&mut self) -> &mut Book<DReq, DAction> {
-        &mut self.book
-    }
-    fn fail_silent(&mut self, req: RequestId, now: Nanos) {
-        self.fail(req, FailReason::Timeout, true, now);
-    }
-    fn fail_for_peer(&mut self, req: RequestId, reason: FailReason, now: Nanos) {
-        self.fail_for_p(req, reason, now);
-    }
-    fn req_deadline(&mut self, req: RequestId, gen: u32, now: Nanos) {
-        self.deadline_passed(req, gen, now);
-    }
-    fn count_silences(&mut self, n: u64) {
-        self.stats.silences += n;
-    }
-    fn count_foreign(&mut self) {
-        self.stats.unexpected_messages += 1;
-    }
-}
+book::impl_core!(DSide, DReq, DState::Draining, DAction, "P", fail_for_p);
 
 /// The D-side core. See the module documentation.
 #[derive(Debug)]

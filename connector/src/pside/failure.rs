@@ -39,6 +39,11 @@ impl PSide {
         }
     }
 
+    /// Fails `req` because its D is gone or restarted: no `Abort` to send it.
+    pub(super) fn fail_for_d(&mut self, req: RequestId, reason: FailReason, now: Nanos) {
+        self.fail(req, reason, false, now);
+    }
+
     /// Releases P's blocks of a failed request, tells D (if it should) and ends it.
     pub(super) fn finish_fail(&mut self, req: RequestId, now: Nanos) {
         let Some(r) = self.book.reqs.get_mut(&req) else {

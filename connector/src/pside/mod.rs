@@ -27,7 +27,7 @@ mod vocab;
 
 pub use vocab::*;
 
-use crate::book::{self, Book, Core, Entry, HostAction, Liveness};
+use crate::book::{self, Book, Liveness};
 use crate::metrics::{fail_reason_name, reason_index, PMetrics};
 use crate::msg::{DecodeError, Message};
 use crate::peers::LayerSet;
@@ -164,56 +164,7 @@ impl PReq {
     }
 }
 
-impl Entry for PReq {
-    fn peer(&self) -> PeerId {
-        self.peer
-    }
-    fn created(&self) -> Nanos {
-        self.created
-    }
-    fn draining(&self) -> bool {
-        self.state == PState::Draining
-    }
-    fn generation(&mut self) -> &mut u32 {
-        &mut self.gen
-    }
-    fn into_record(self) -> TimelineRecord {
-        self.rec
-    }
-}
-
-impl HostAction for PAction {
-    fn send(to: PeerId, msg: Message) -> Self {
-        PAction::Send { to, msg }
-    }
-    fn disconnect(peer: PeerId, cause: DownCause) -> Self {
-        PAction::DisconnectPeer { peer, cause }
-    }
-}
-
-impl Core for PSide {
-    type Req = PReq;
-    type Action = PAction;
-    const PEER: &'static str = "D";
-    fn book(&mut self) -> &mut Book<PReq, PAction> {
-        &mut self.book
-    }
-    fn fail_silent(&mut self, req: RequestId, now: Nanos) {
-        self.fail(req, FailReason::Timeout, true, now);
-    }
-    fn fail_for_peer(&mut self, req: RequestId, reason: FailReason, now: Nanos) {
-        self.fail(req, reason, false, now);
-    }
-    fn req_deadline(&mut self, req: RequestId, gen: u32, now: Nanos) {
-        self.deadline_passed(req, gen, now);
-    }
-    fn count_silences(&mut self, n: u64) {
-        self.stats.silences += n;
-    }
-    fn count_foreign(&mut self) {
-        self.stats.unexpected_messages += 1;
-    }
-}
+book::impl_core!(PSide, PReq, PState::Draining, PAction, "D", fail_for_d);
 
 /// The P-side core. See the module documentation.
 #[derive(Debug)]
