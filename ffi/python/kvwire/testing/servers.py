@@ -23,7 +23,10 @@ import urllib.error
 import urllib.request
 
 from kvwire.testing import model as _model
-from kvwire.testing.ports import free_port  # noqa: F401  (re-exported for the e2e tests)
+from kvwire.testing.ports import free_port, free_port_run  # noqa: F401  (free_port: re-exported for the e2e tests)
+
+#: Ports reserved per server for vLLM's own listeners (``VLLM_PORT``).
+VLLM_PORTS = 8
 
 WORKER_CLS = "kvwire.testing.worker.StandInWorker"
 
@@ -74,6 +77,13 @@ class Server:
                   "VLLM_CPU_OMP_THREADS_BIND": "nobind",
                   "PYTHONUNBUFFERED": "1", "VLLM_LOGGING_LEVEL": e.get("VLLM_LOGGING_LEVEL", "INFO")})
         e.pop("VLLM_TARGET_DEVICE", None)
+        # vLLM's executors listen on a port for torch.distributed's store (tp 1 too). Without
+        # VLLM_PORT it binds port 0, closes it and listens on that port later, and meanwhile the
+        # kernel may hand the same port to an outgoing connection (a CI run's DS server died with
+        # EADDRINUSE that way). With it, vLLM takes the first bindable port from VLLM_PORT up:
+        # each server gets its own run below the ephemeral range, which outgoing connections
+        # never use.
+        e["VLLM_PORT"] = str(free_port_run(VLLM_PORTS))
         e.update(env or {})
         self.env = e
 
