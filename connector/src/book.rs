@@ -188,16 +188,18 @@ impl<R: Entry, A: HostAction> Book<R, A> {
         Some(reqs)
     }
 
-    /// Forgets a request known only from the peer's messages. `peer_aborted`: the peer gave it
-    /// up, so a later arrival fails at once.
+    /// Remembers `req` as ended from `now` for `tombstone_ttl`, so that a late message about it
+    /// is recognised. `peer_aborted`: the peer gave it up, so a later arrival fails at once.
+    pub(crate) fn bury(&mut self, req: RequestId, now: Nanos, peer_aborted: bool) {
+        let until = now.saturating_add(self.live.tombstone_ttl);
+        self.tombs.bury(req, until, peer_aborted);
+    }
+
+    /// Forgets a request known only from the peer's messages (see [`Book::bury`]).
     pub(crate) fn drop_early(&mut self, req: RequestId, now: Nanos, peer_aborted: bool) {
         if self.reqs.remove(&req).is_some() {
             self.early -= 1;
-            self.tombs.bury(
-                req,
-                now.saturating_add(self.live.tombstone_ttl),
-                peer_aborted,
-            );
+            self.bury(req, now, peer_aborted);
         }
     }
 
@@ -205,8 +207,7 @@ impl<R: Entry, A: HostAction> Book<R, A> {
     pub(crate) fn end(&mut self, req: RequestId, now: Nanos) {
         if let Some(r) = self.reqs.remove(&req) {
             self.peers.detach(r.peer(), req);
-            self.tombs
-                .bury(req, now.saturating_add(self.live.tombstone_ttl), false);
+            self.bury(req, now, false);
             self.timeline.push_back(r.into_record());
         }
     }

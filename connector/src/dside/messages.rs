@@ -75,9 +75,7 @@ impl DSide {
                 Some(_) => self.stats.late_messages += 1,
                 None => {
                     // P gave up a request D has not seen yet: remember, fail it on arrival.
-                    self.book
-                        .tombs
-                        .bury(req, now.saturating_add(self.cfg.tombstone_ttl), true);
+                    self.book.bury(req, now, true);
                 }
             },
             Message::Announce { .. } | Message::BlockIds { .. } | Message::Heartbeat { .. } => {

@@ -56,9 +56,7 @@ impl PSide {
                 // Nothing of ours can be in flight: confirm so D can release at once.
                 None => {
                     if !self.book.tombs.contains(req) {
-                        self.book
-                            .tombs
-                            .bury(req, now.saturating_add(self.cfg.tombstone_ttl), true);
+                        self.book.bury(req, now, true);
                     }
                     self.ack_abort(from, req);
                 }
